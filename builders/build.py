@@ -1,0 +1,125 @@
+"""``build_engine``: checkpoint -> engine directory for one role and TP size.
+
+An engine directory holds ``engine.json`` (the manifest: architecture, dtype, page size, KV
+layout, TP size, role, source fingerprint), ``rank{r}.safetensors`` per TP rank, and the
+tokenizer files. Builds are cached: a directory whose manifest carries the same fingerprint
+(source files' names, sizes and mtimes + build options + builder version) is reused.
+Directories are written to a temporary sibling and renamed into place, so a crashed build
+never leaves a half-written engine behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from builders.checkpoint import Checkpoint
+from builders.embedded import resolve_source
+from builders.errors import BuildError
+from builders.gguf_import import load_gguf
+from builders.hf_import import load_hf_folder
+from builders.sharding import check_tp, shard
+from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role
+
+BUILDER_VERSION = 1
+
+__all__ = ["BuildError", "BuildOptions", "build_engine", "default_engine_dir", "load_checkpoint"]
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    role: Role = Role.COLOCATED
+    tp_size: int = 1
+    dtype: DType = DType.BFLOAT16
+    page_size: int = 16
+    kv_layout: KVLayout = KVLayout.HND
+
+
+def load_checkpoint(source: str) -> Checkpoint:
+    path = resolve_source(source)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise BuildError(f"{path}: a checkpoint file must be .gguf (or pass a Hugging Face folder)")
+        return load_gguf(path)
+    return load_hf_folder(path)
+
+
+def _fingerprint(path: Path, opts: BuildOptions) -> str:
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    opts_text = json.dumps(
+        [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size, opts.kv_layout.value]
+    )
+    h.update(opts_text.encode())
+    return h.hexdigest()
+
+
+def default_engine_dir(cache_root: Path, source: str, opts: BuildOptions) -> Path:
+    path = resolve_source(source)
+    name = path.stem if path.is_file() else path.name
+    fp = _fingerprint(path, opts)[:12]
+    return cache_root / f"{name}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}-{fp}"
+
+
+def _cached(out: Path, fingerprint: str, tp: int) -> bool:
+    if not (out / MANIFEST_NAME).is_file():
+        return False
+    try:
+        manifest = EngineManifest.load(out)
+    except ValueError:
+        return False
+    return manifest.fingerprint == fingerprint and all((out / f"rank{r}.safetensors").is_file() for r in range(tp))
+
+
+def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), progress: bool = True) -> Path:
+    """Build (or reuse) the engine for ``source`` in ``out``; returns ``out``."""
+    if opts.tp_size < 1:
+        raise BuildError(f"tp_size must be >= 1, got {opts.tp_size}")
+    if opts.page_size < 1:
+        raise BuildError(f"page_size must be >= 1, got {opts.page_size}")
+    path = resolve_source(source)
+    fingerprint = _fingerprint(path, opts)
+    out = Path(out)
+    if _cached(out, fingerprint, opts.tp_size):
+        return out
+    ck = load_checkpoint(source)
+    check_tp(ck.config, opts.tp_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        ranks = range(opts.tp_size)
+        for r in tqdm(ranks, desc=f"building {ck.name} tp{opts.tp_size}", unit="rank", disable=not progress):
+            tensors = {
+                k: v if k.endswith(("router.weight", "router_bias")) else v.to(opts.dtype.torch)
+                for k, v in shard(ck, opts.tp_size, r).items()
+            }
+            save_file(tensors, str(tmp / f"rank{r}.safetensors"))
+        has_tok = ck.save_tokenizer(tmp)
+        EngineManifest(
+            model=ck.config,
+            role=opts.role,
+            tp_size=opts.tp_size,
+            dtype=opts.dtype,
+            page_size=opts.page_size,
+            kv_layout=opts.kv_layout,
+            source=str(path),
+            fingerprint=fingerprint,
+            has_tokenizer=has_tok,
+        ).save(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,112 @@
+"""Import a llama-architecture GGUF file (e.g. the packaged SmolLM2 Q4_1): dequantise, rename, un-permute.
+
+llama.cpp's converter permutes the rows of the Q and K projections so that rotary pairs are
+interleaved; HF (and this engine) pair dimension i with i + head_dim/2, so the permutation
+is undone here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from builders.checkpoint import Checkpoint
+from builders.errors import BuildError
+from torch_engine.config import Family, ModelConfig
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise BuildError(f"{path} is not a valid GGUF file: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise BuildError(
+            f"{path}: GGUF architecture {arch!r} is not supported (only 'llama'; use an HF folder for others)"
+        )
+    p = "llama."
+    heads = int(_field(reader, p + "attention.head_count"))
+    kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
+    hidden = int(_field(reader, p + "embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, p + "vocab_size", len(tokens.data) if tokens is not None else 0))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            name = f"model.layers.{layer}.{_LAYER_NAMES.get(rest, rest)}"
+        else:
+            name = _GLOBAL_NAMES.get(t.name, t.name)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise BuildError(f"{path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, kv_heads)
+        tensors[name] = w
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        family=Family.LLAMA,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, p + "context_length", 4096)),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+    def save_tokenizer(out: Path) -> bool:
+        from transformers import AutoTokenizer  # the GGUF tokenizer converter lives in transformers
+
+        with tempfile.TemporaryDirectory() as tmp:
+            link = Path(tmp) / path.name
+            link.symlink_to(path.resolve())
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
+        tok.save_pretrained(str(out))
+        return True
+
+    return Checkpoint(cfg, tensors, save_tokenizer, path.stem)

@@ -1,0 +1,1 @@
+"""Command line, (later) cluster config, launch and routing."""

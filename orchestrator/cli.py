@@ -1,0 +1,167 @@
+"""``disagg``: build engines, generate, chat, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from builders import BuildError, BuildOptions, build_engine
+from builders.build import default_engine_dir
+from torch_engine.config import DType, EngineConfig, KVLayout, Role
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+DEFAULT_CACHE = Path.home() / ".cache" / "disagg" / "engines"
+
+
+def _build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="checkpoint: 'smollm2' (embedded), a .gguf file or an HF folder")
+    p.add_argument("--dtype", choices=[d.value for d in DType], default=DType.BFLOAT16.value)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.HND.value)
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where built engines are cached")
+
+
+def _options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOptions:
+    return BuildOptions(
+        role=role, tp_size=a.tp, dtype=DType(a.dtype), page_size=a.page_size, kv_layout=KVLayout(a.layout)
+    )
+
+
+def _engine_dir(a: argparse.Namespace, role: Role = Role.COLOCATED) -> Path:
+    if getattr(a, "engine", None):
+        return Path(a.engine)
+    opts = _options(a, role)
+    return build_engine(a.model, default_engine_dir(a.cache_dir, a.model, opts), opts)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--engine", type=Path, default=None, help="use this engine directory instead of building one")
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        stop=tuple(a.stop),
+    )
+
+
+def _engine(a: argparse.Namespace):
+    from torch_engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(engine_dir=_engine_dir(a), num_threads=a.threads, max_num_seqs=16))
+
+
+def _stream_answer(engine, prompt: str, params: SamplingParams, chat: bool) -> None:
+    from torch_engine.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    start = time.perf_counter()
+    first: float | None = None
+    n = 0
+    for out in engine.stream(prompt, params, chat=chat):
+        first = first or time.perf_counter()
+        n += len(out.new_token_ids)
+        sys.stdout.write(detok.push(out.new_token_ids))
+        sys.stdout.flush()
+    end = time.perf_counter()
+    if first is not None:
+        rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+        print(
+            f"\n[{n} tokens, TTFT {1000 * (first - start):.0f} ms, {rate:.1f} tokens/s after the first]",
+            file=sys.stderr,
+        )
+
+
+def cmd_build(a: argparse.Namespace) -> int:
+    opts = _options(a, Role(a.role))
+    out = a.output or default_engine_dir(a.cache_dir, a.model, opts)
+    print(build_engine(a.model, out, opts))
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    engine = _engine(a)
+    _stream_answer(engine, a.prompt, _params(a), a.chat)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    engine = _engine(a)
+    print("disagg chat on the embedded engine. Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        try:
+            _stream_answer(engine, line, _params(a), chat=True)
+        except InvalidRequestError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+
+
+def cmd_bench_engine(a: argparse.Namespace) -> int:
+    from orchestrator.bench_engine import run_engine_bench
+
+    return run_engine_bench(a, _engine_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="build an engine directory from a checkpoint")
+    _build_args(b)
+    b.add_argument("--role", choices=[r.value for r in Role], default=Role.COLOCATED.value)
+    b.add_argument("--output", type=Path, default=None)
+    b.set_defaults(fn=cmd_build)
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    _build_args(g)
+    _sampling_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat on the engine")
+    _build_args(c)
+    _sampling_args(c)
+    c.set_defaults(fn=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="engine prefill/decode throughput vs HF transformers and the memory floor")
+    _build_args(be)
+    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--prompt-len", type=int, default=256)
+    be.add_argument("--decode-tokens", type=int, default=32)
+    be.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    be.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
+    be.set_defaults(fn=cmd_bench_engine, engine=None)
+
+    a = parser.parse_args(argv)
+    try:
+        return int(a.fn(a))
+    except (BuildError, InvalidRequestError, FileNotFoundError) as exc:
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

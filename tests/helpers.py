@@ -1,0 +1,116 @@
+"""Shared test helpers: tiny random-weight HF checkpoints and engines built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
+
+from builders import BuildOptions, build_engine
+from torch_engine.config import DType, EngineConfig, KVLayout
+from torch_engine.engine import LLMEngine
+
+_COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+}
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, **_COMMON),
+    "qwen2": lambda: Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **_COMMON),
+    "qwen3": lambda: Qwen3Config(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, **_COMMON
+    ),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        **_COMMON,
+    ),
+    "deepseek_v2": lambda: DeepseekV2Config(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        **_COMMON,
+    ),
+}
+
+
+def make_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """Save a random tiny model of ``kind`` as an HF folder; returns the folder and the fp32 HF model."""
+    torch.manual_seed(seed)
+    cfg = TINY_CONFIGS[kind]()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    if hasattr(cfg, "n_routed_experts"):  # give the router's correction bias some weight, as trained models have
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+    model.save_pretrained(str(folder))
+    return folder, model
+
+
+def tiny_engine(
+    engine_dir: Path,
+    *,
+    page_size: int | None = None,
+    layout: KVLayout | None = None,
+    num_pages: int = 256,
+    chunk: int = 512,
+    budget: int = 512,
+    max_num_seqs: int = 32,
+) -> LLMEngine:
+    cfg = EngineConfig(
+        engine_dir=engine_dir,
+        page_size=page_size,
+        kv_layout=layout,
+        num_pages=num_pages,
+        max_prefill_chunk=chunk,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        dtype=DType.FLOAT32,
+    )
+    return LLMEngine(cfg, load_tokenizer=False)
+
+
+def build_tiny(folder: Path, out: Path, tp: int = 1, page_size: int = 4) -> Path:
+    return build_engine(
+        str(folder), out, BuildOptions(tp_size=tp, dtype=DType.FLOAT32, page_size=page_size), progress=False
+    )

@@ -1,0 +1,194 @@
+"""Paged KV cache: one pool tensor per layer, and the page allocator that hands pages out.
+
+Page shapes (``P`` tokens per page, ``H`` local KV heads, ``D`` head dim, ``L`` MLA latent dim):
+
+- GQA, HND: ``[H, 2, P, D]`` — heads outermost, then K/V, so the slice of a page that one
+  tensor-parallel shard owns (a range of heads) is one contiguous byte range.
+- GQA, NHD: ``[P, H, 2, D]`` — token-major; a shard's slice is one range per token.
+- MLA: ``[P, L]`` — the compressed latent and the rotated rope key of each token (the same
+  on every TP rank), for either layout.
+
+The allocator counts free / used / pinned pages. A pinned page is the target of a transfer:
+it cannot be handed to another request; freeing it is deferred until its last unpin.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from torch_engine.config import KVLayout
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by ``allocate`` when the pool cannot satisfy a request (call ``can_allocate`` first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageStats:
+    total: int
+    free: int
+    used: int
+    pinned: int
+
+
+class PageAllocator:
+    """Free-list page allocator with pin counts and deferred free of pinned pages."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._in_use = [False] * num_pages
+        self._pins = [0] * num_pages
+        self._free_pending = [False] * num_pages
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise OutOfPagesError(f"need {n} pages, {len(self._free)} of {self.num_pages} are free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._in_use[p] = True
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages; a pinned page goes back only when its last pin is released."""
+        for p in pages:
+            self._check_used(p, "free")
+            if self._free_pending[p]:
+                raise ValueError(f"page {p} is already being freed")
+            if self._pins[p]:
+                self._free_pending[p] = True
+            else:
+                self._release(p)
+
+    def pin(self, pages: list[int]) -> None:
+        for p in pages:
+            self._check_used(p, "pin")
+            if self._free_pending[p]:
+                raise ValueError(f"page {p} was freed and cannot be pinned again")
+            self._pins[p] += 1
+
+    def unpin(self, pages: list[int]) -> None:
+        for p in pages:
+            self._check_used(p, "unpin")
+            if self._pins[p] == 0:
+                raise ValueError(f"page {p} is not pinned")
+            self._pins[p] -= 1
+            if self._pins[p] == 0 and self._free_pending[p]:
+                self._release(p)
+
+    def is_pinned(self, page: int) -> bool:
+        return self._pins[page] > 0
+
+    def stats(self) -> PageStats:
+        free = len(self._free)
+        pinned = sum(1 for c in self._pins if c)
+        return PageStats(total=self.num_pages, free=free, used=self.num_pages - free, pinned=pinned)
+
+    def _check_used(self, p: int, what: str) -> None:
+        if not 0 <= p < self.num_pages:
+            raise ValueError(f"cannot {what} page {p}: the pool has pages 0..{self.num_pages - 1}")
+        if not self._in_use[p]:
+            raise ValueError(f"cannot {what} page {p}: it is not allocated")
+
+    def _release(self, p: int) -> None:
+        self._in_use[p] = False
+        self._free_pending[p] = False
+        self._free.append(p)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of one rank's cache. ``kv_heads``/``head_dim`` for GQA; ``latent_dim`` > 0 for MLA."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    layout: KVLayout
+    dtype: torch.dtype
+    kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.latent_dim > 0
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        if self.is_mla:
+            return (self.page_size, self.latent_dim)
+        if self.layout is KVLayout.HND:
+            return (self.kv_heads, 2, self.page_size, self.head_dim)
+        return (self.page_size, self.kv_heads, 2, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class PagedKVCache:
+    """The pools (one ``[num_pages, *page_shape]`` tensor per layer) and their reads and writes."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.pools = [
+            torch.zeros((spec.num_pages, *spec.page_shape), dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+
+    def write_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
+    ) -> None:
+        """Store K and V (``[T, H, D]``) of T tokens at (page, offset) slots."""
+        pool = self.pools[layer]
+        if self.spec.layout is KVLayout.HND:
+            pool.select(2, 0)[pages, :, offsets] = k
+            pool.select(2, 1)[pages, :, offsets] = v
+        else:
+            pool.select(3, 0)[pages, offsets] = k
+            pool.select(3, 1)[pages, offsets] = v
+
+    def gather_kv(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the sequences whose pages are the rows of ``page_table`` (``[B, M]``).
+
+        Returns two ``[B, H, M * page_size, D]`` tensors in token order.
+        """
+        g = self.pools[layer][page_table]
+        b, m = page_table.shape
+        if self.spec.layout is KVLayout.HND:
+            g = g.permute(0, 3, 2, 1, 4, 5)  # [B, M, H, 2, P, D] -> [B, 2, H, M, P, D]
+        else:
+            g = g.permute(0, 4, 3, 1, 2, 5)  # [B, M, P, H, 2, D] -> [B, 2, H, M, P, D]
+        g = g.reshape(b, 2, self.spec.kv_heads, m * self.spec.page_size, self.spec.head_dim)
+        return g[:, 0], g[:, 1]
+
+    def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Store the MLA latent (``[T, L]``) of T tokens."""
+        self.pools[layer][pages, offsets] = latent
+
+    def gather_latent(self, layer: int, page_table: torch.Tensor) -> torch.Tensor:
+        """``[B, M * page_size, L]`` latents in token order."""
+        b, m = page_table.shape
+        return self.pools[layer][page_table].reshape(b, m * self.spec.page_size, self.spec.latent_dim)
+
+    def copy_pages_from(self, other: PagedKVCache, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Copy whole pages of every layer from another cache of the same spec (a local transfer)."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+        if other.spec.page_shape != self.spec.page_shape or other.spec.dtype != self.spec.dtype:
+            raise ValueError("page layouts differ: cannot copy pages between these caches")
+        src = torch.tensor(src_pages, dtype=torch.long)
+        dst = torch.tensor(dst_pages, dtype=torch.long)
+        for mine, theirs in zip(self.pools, other.pools, strict=True):
+            mine[dst.to(mine.device)] = theirs[src.to(theirs.device)].to(mine.device)

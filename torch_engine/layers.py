@@ -1,0 +1,119 @@
+"""Building blocks shared by the model families: RMSNorm, RoPE tables, rotation, SiLU-gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_engine.config import ModelConfig, RopeScaling
+from torch_engine.parallel import TPGroup
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of a ``dim``-wide rotary embedding and its cos/sin scale (HF semantics)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if scaling.rope_type == "llama3":
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if scaling.rope_type == "yarn":
+        factor = scaling.factor
+        orig = scaling.original_max_position_embeddings or max_positions
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+        def corr_dim(rot: float) -> float:
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(corr_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(scaling.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+        return inv_freq, attention_factor
+    return inv_freq, 1.0
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    scale = cfg.qk_head_dim**-0.5
+    rs = cfg.rope_scaling
+    if rs.rope_type != "default" and rs.mscale_all_dim:
+        m = _yarn_mscale(rs.factor, rs.mscale_all_dim)
+        scale *= m * m
+    return scale
+
+
+class RotaryTable:
+    """cos/sin for every position up to ``max_positions``, each ``[positions, dim // 2]`` (fp32)."""
+
+    def __init__(self, dim: int, theta: float, scaling: RopeScaling, max_positions: int, device: torch.device) -> None:
+        inv_freq, attn_scale = rope_inv_freq(dim, theta, scaling, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.cos = (freqs.cos() * attn_scale).to(device)
+        self.sin = (freqs.sin() * attn_scale).to(device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x`` (``[T, H, dim]``) with ``cos``/``sin`` (``[T, dim // 2]``).
+
+    Non-interleaved pairs dimension i with i + dim/2 (HF ``rotate_half``). Interleaved pairs
+    (2i, 2i+1) (DeepSeek) and returns the result de-interleaved: ``[rotated evens, rotated odds]``,
+    the same permutation for q and k, so q . k is unchanged.
+    """
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    c = cos[:, None, :].to(x.dtype)
+    s = sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP, tensor parallel: ``gate_up`` column-sharded, ``down`` row-sharded."""
+
+    def __init__(self, hidden: int, local_intermediate: int, tp: TPGroup, reduce: bool = True) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * local_intermediate, bias=False)
+        self.down = nn.Linear(local_intermediate, hidden, bias=False)
+        self.tp = tp
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        out = self.down(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.reduce else out

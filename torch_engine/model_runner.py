@@ -1,0 +1,139 @@
+"""Turns a scheduled step into tensors, runs the model on every TP rank, returns the rows to sample.
+
+The leader builds ``StepInputs`` (small, picklable) and broadcasts it; every rank runs
+``execute``; TP followers sit in ``follower_loop`` until the leader broadcasts ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torch_engine.attention import AttentionMetadata, PrefillSegment, context_mask
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import RotaryTable
+from torch_engine.parallel import TPGroup
+from torch_engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_pages: torch.Tensor  # [T]
+    slot_offsets: torch.Tensor  # [T]
+    decode_rows: torch.Tensor | None  # [B]
+    decode_tables: torch.Tensor | None  # [B, M]
+    decode_kv_lens: torch.Tensor | None  # [B]
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (row start, row end, first position, page table [1, M])
+    output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
+
+
+def _page_table(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: PagedKVCache,
+        progress: LayerProgress,
+        tp: TPGroup,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.progress = progress
+        self.tp = tp
+        self.device = device
+        self.page_size = kv.spec.page_size
+        cfg = model.cfg  # type: ignore[attr-defined]
+        self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)  # type: ignore[attr-defined]
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        ids: list[int] = []
+        pos: list[int] = []
+        pages: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        out_rows: list[int] = []
+        p = self.page_size
+        for c in sched.chunks:
+            req, row = c.request, len(ids)
+            tokens = req.all_tokens
+            ids += tokens[c.start : c.start + c.length]
+            pos += range(c.start, c.start + c.length)
+            pages += [req.pages[i // p] for i in range(c.start, c.start + c.length)]
+            used = req.pages[: -(-(c.start + c.length) // p)]
+            if c.length == 1:
+                decode_rows.append(row)
+                decode_tables.append(used)
+                decode_lens.append(c.start + 1)
+            else:
+                prefills.append((row, row + c.length, c.start, _page_table([used])))
+            if c.samples or (c.completes and req.want_last_hidden):
+                out_rows.append(row + c.length - 1)
+        positions = torch.tensor(pos, dtype=torch.long)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=positions,
+            slot_pages=torch.tensor(pages, dtype=torch.long),
+            slot_offsets=positions % p,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long) if decode_rows else None,
+            decode_tables=_page_table(decode_tables) if decode_tables else None,
+            decode_kv_lens=torch.tensor(decode_lens, dtype=torch.long) if decode_lens else None,
+            prefills=prefills,
+            output_rows=torch.tensor(out_rows, dtype=torch.long),
+        )
+
+    def _metadata(self, s: StepInputs) -> AttentionMetadata:
+        d = self.device
+        cos, sin = self.rope.lookup(s.positions.to(d))
+        meta = AttentionMetadata(s.slot_pages.to(d), s.slot_offsets.to(d), cos, sin)
+        if s.decode_rows is not None and s.decode_tables is not None and s.decode_kv_lens is not None:
+            width = s.decode_tables.shape[1] * self.page_size
+            keys = torch.arange(width)[None, :]
+            meta.decode_rows = s.decode_rows.to(d)
+            meta.decode_page_table = s.decode_tables.to(d)
+            meta.decode_mask = (keys < s.decode_kv_lens[:, None])[:, None, None, :].to(d)
+        for start, end, first, table in s.prefills:
+            width = table.shape[1] * self.page_size
+            mask = context_mask(first, end - start, first + end - start, width, torch.device("cpu")).to(d)
+            meta.prefills.append(PrefillSegment(start, end, table.to(d), mask))
+        return meta
+
+    @torch.inference_mode()
+    def execute(self, s: StepInputs) -> torch.Tensor:
+        """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
+        h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)
+        return self.model.norm(h[s.output_rows.to(self.device)])  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()  # type: ignore[operator]
+
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Leader: broadcast the step to the followers, run it, return the output rows' hidden states."""
+        inputs = self.prepare(sched)
+        self.tp.broadcast_object(inputs)
+        return self.execute(inputs)
+
+    def stop_followers(self) -> None:
+        self.tp.broadcast_object(None)
+
+    def follower_loop(self) -> None:
+        """TP ranks other than the leader: run every step the leader broadcasts, until ``None``."""
+        while True:
+            inputs = self.tp.broadcast_object(None)
+            if inputs is None:
+                return
+            assert isinstance(inputs, StepInputs)
+            self.execute(inputs)

@@ -1,0 +1,32 @@
+"""Model families. ``build_model`` picks the module for a config; ``cache_spec`` sizes its KV pages."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_engine.config import KVLayout, ModelConfig
+from torch_engine.kv_cache import KVCacheSpec
+from torch_engine.models.deepseek import DeepseekModel
+from torch_engine.models.llama import LlamaModel, local_kv_heads
+from torch_engine.parallel import TPGroup
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
+    return DeepseekModel(cfg, tp) if cfg.is_mla else LlamaModel(cfg, tp)
+
+
+def cache_spec(
+    cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout, dtype: torch.dtype
+) -> KVCacheSpec:
+    common = {
+        "num_layers": cfg.num_layers,
+        "num_pages": num_pages,
+        "page_size": page_size,
+        "layout": layout,
+        "dtype": dtype,
+    }
+    if cfg.is_mla:
+        assert cfg.kv_lora_rank is not None
+        return KVCacheSpec(latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, **common)
+    return KVCacheSpec(kv_heads=local_kv_heads(cfg, tp_size), head_dim=cfg.head_dim, **common)

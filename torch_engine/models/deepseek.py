@@ -1,0 +1,166 @@
+"""DeepSeek-V2/V3 decoder: multi-head latent attention (MLA) and DeepSeek MoE.
+
+The KV cache holds, per token, the compressed latent (after ``kv_a_norm``) and the rotated
+rope key: ``kv_lora_rank + qk_rope_head_dim`` values, identical on every TP rank. Attention
+expands the gathered latents with ``kv_b`` (column-sharded by head) into per-head K and V.
+MoE experts are tensor parallel like a dense MLP (every rank holds a slice of every expert).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_engine.attention import AttentionMetadata, attend
+from torch_engine.config import ModelConfig
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import GatedMLP, RMSNorm, apply_rope, mla_softmax_scale
+from torch_engine.parallel import TPGroup
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        assert cfg.kv_lora_rank is not None
+        self.h = cfg.num_heads // tp.size
+        self.nope, self.rope, self.vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.h * qk, bias=False)
+        else:
+            self.q_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b = nn.Linear(cfg.q_lora_rank, self.h * qk, bias=False)
+        self.kv_a = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b = nn.Linear(self.rank, self.h * (self.nope + self.vd), bias=False)
+        self.o = nn.Linear(self.h * self.vd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = mla_softmax_scale(cfg)
+        self.interleave = cfg.rope_interleave
+        self.lora_q = cfg.q_lora_rank is not None
+        self.tp = tp
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents ``[B, S, L]`` -> K ``[B, H, S, qk]`` and V ``[B, H, S, v]``."""
+        b, s, _ = latent.shape
+        kvb = self.kv_b(latent[..., : self.rank]).view(b, s, self.h, self.nope + self.vd)
+        k_nope, v = kvb.split([self.nope, self.vd], dim=-1)
+        k_rot = latent[..., self.rank :][:, :, None, :].expand(b, s, self.h, self.rope)
+        return torch.cat((k_nope, k_rot), dim=-1).transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_b(self.q_a_norm(self.q_a(x))) if self.lora_q else self.q_proj(x)
+        q_nope, q_rot = q.view(t, self.h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        kv_nope, k_rot = self.kv_a(x).split([self.rank, self.rope], dim=-1)
+        q_rot = apply_rope(q_rot, meta.cos, meta.sin, self.interleave)
+        k_rot = apply_rope(k_rot[:, None, :], meta.cos, meta.sin, self.interleave)[:, 0]
+        kv.write_latent(layer, torch.cat((self.kv_a_norm(kv_nope), k_rot), dim=-1), meta.slot_pages, meta.slot_offsets)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        out = q.new_empty(t, self.h, self.vd)
+        if meta.decode_rows is not None:
+            kk, vv = self._expand(kv.gather_latent(layer, meta.decode_page_table))
+            o = attend(q[meta.decode_rows].unsqueeze(2), kk, vv, meta.decode_mask, self.scale)
+            out[meta.decode_rows] = o.squeeze(2)
+        for seg in meta.prefills:
+            kk, vv = self._expand(kv.gather_latent(layer, seg.page_table))
+            o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), kk, vv, seg.mask, self.scale)
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
+        return self.tp.all_reduce(self.o(out.view(t, -1)))
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts. V2: softmax scores; V3: sigmoid + correction bias + groups."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size // tp.size
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden_size, e, bias=False)
+        self.router_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * inter, cfg.hidden_size), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(e, cfg.hidden_size, inter), requires_grad=False)
+        self.shared = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp.size, tp, reduce=False)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.tp = tp
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.router_bias.float() if cfg.scoring_func == "sigmoid" else scores
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_scores = (
+                grouped.topk(2, dim=-1)[0].sum(dim=-1) if cfg.topk_method == "noaux_tc" else grouped.max(dim=-1).values
+            )
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_group, dim=-1)[1], 1.0)
+            keep = keep.bool()[:, :, None].expand_as(grouped).reshape(-1, cfg.n_routed_experts)
+            choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
+        idx = choice.topk(cfg.num_experts_per_tok, dim=-1)[1]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            rows, slot = torch.where(idx == e)
+            gate, up = F.linear(x[rows], self.experts_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[e]) * weights[rows, slot, None].to(x.dtype)
+            out.index_add_(0, rows, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return self.tp.all_reduce(out)
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLAttention(cfg, tp)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(cfg, tp) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
+        )
+
+    def forward(
+        self, h: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int, progress: LayerProgress
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), meta, kv, layer)
+        progress.bump(layer)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp.size}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DeepseekLayer(cfg, tp, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cfg.qk_rope_head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, progress: LayerProgress
+    ) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, kv, i, progress)
+        return h

@@ -1,0 +1,98 @@
+"""Llama-style decoder with grouped-query attention: Llama 2/3, SmolLM2, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Weights are this rank's shards, in the engine's names (see ``builders/sharding.py``):
+``qkv`` is q, k, v fused along the output dim; ``gate_up`` is gate and up fused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_engine.attention import AttentionMetadata, attend
+from torch_engine.config import ModelConfig
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import GatedMLP, RMSNorm, apply_rope
+from torch_engine.parallel import TPGroup
+
+
+def local_kv_heads(cfg: ModelConfig, tp_size: int) -> int:
+    """KV heads each rank holds: sharded when TP <= KV heads, one replicated head otherwise."""
+    return max(cfg.num_kv_heads // tp_size, 1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.hq = cfg.num_heads // tp.size
+        self.hkv = local_kv_heads(cfg, tp.size)
+        self.d = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.d**-0.5
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        kv.write_kv(layer, k, v, meta.slot_pages, meta.slot_offsets)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            kk, vv = kv.gather_kv(layer, meta.decode_page_table)
+            o = attend(q[meta.decode_rows].unsqueeze(2), kk, vv, meta.decode_mask, self.scale)
+            out[meta.decode_rows] = o.squeeze(2)
+        for seg in meta.prefills:
+            kk, vv = kv.gather_kv(layer, seg.page_table)
+            o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), kk, vv, seg.mask, self.scale)
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
+        return self.tp.all_reduce(self.o(out.view(t, -1)))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = LlamaAttention(cfg, tp)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
+
+    def forward(
+        self, h: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int, progress: LayerProgress
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), meta, kv, layer)
+        progress.bump(layer)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp.size}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([LlamaLayer(cfg, tp) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, progress: LayerProgress
+    ) -> torch.Tensor:
+        """Hidden states of every row after the last layer (before the final norm)."""
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, kv, i, progress)
+        return h

@@ -1,0 +1,100 @@
+"""A request's lifecycle.
+
+States (ordered; everything >= FINISHED is terminal and holds no pages):
+
+    WAITING ──admit──> RUNNING ──sampled stop / max_tokens──> FINISHED
+       ^                 │ └──prefill-only, KV of [0, n-1) written──> PREFILLED ──release──> FINISHED
+       └──preempted──────┘
+    WAITING_FOR_KV ──kv_ready──> RUNNING        (decode half of a split request)
+    any non-terminal ──abort──> ABORTED ; ──kv_failed / error──> FAILED
+
+A RUNNING request has ``num_computed`` tokens of KV in its pages; each step computes the next
+chunk of ``all_tokens[num_computed:]``. A request with exactly one uncomputed token is decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_engine.sampling import SamplerState, SamplingParams
+
+
+class RequestState(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_KV = 1
+    RUNNING = 2
+    PREFILLED = 3
+    FINISHED = 4
+    ABORTED = 5
+    FAILED = 6
+
+
+class RequestKind(enum.IntEnum):
+    GENERATE = 0  # prefill and decode here (colocated)
+    PREFILL_ONLY = 1  # KV of prompt tokens [0, n-1); nothing sampled
+    DECODE_FROM_KV = 2  # KV of [0, n-1) arrives in reserved pages; starts by running token n-1
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    PREFILLED = 4
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    kind: RequestKind
+    sampler: SamplerState
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    want_last_hidden: bool = False
+    last_hidden: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+    text: str = ""  # detokenised output (kept when stop strings are in use)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def compute_target(self) -> int:
+        """How many tokens need KV before this request next yields something."""
+        if self.kind is RequestKind.PREFILL_ONLY:
+            return len(self.prompt_ids) - 1
+        return self.num_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state >= RequestState.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    output_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""

@@ -1,0 +1,173 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Queues:
+    waiting   deque  admitted FCFS when the pages for its next chunk can be allocated
+    running   list   has pages; each step gets a decode token or the next prefill chunk
+    kv_wait   dict   WAITING_FOR_KV: pages reserved and pinned, KV arriving from elsewhere
+    prefilled dict   PREFILLED: prefill-only requests whose pages await ``release``
+
+Each step: running decodes first (one token each), then running prefills, then new admissions,
+until the token budget or ``max_num_seqs`` is used. Pages are allocated per chunk; when they run
+out, the newest running request without pinned pages is preempted (pages freed, recomputed later).
+A request that cannot get pages waits; nothing crashes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from torch_engine.kv_cache import PageAllocator
+from torch_engine.request import FinishReason, Request, RequestKind, RequestState
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first token computed in this step
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        return self.start + self.length == self.request.compute_target
+
+    @property
+    def samples(self) -> bool:
+        return self.completes and self.request.kind is not RequestKind.PREFILL_ONLY
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_chunk: int,
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.max_chunk = max_prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kv_wait: dict[str, Request] = {}
+        self.prefilled: dict[str, Request] = {}
+        self.steps = 0
+        self.num_preemptions = 0
+
+    # -- queue changes -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return self.allocator.can_allocate(self.pages_for(num_tokens))
+
+    def reserve(self, req: Request, num_tokens: int) -> None:
+        """Allocate and pin the pages a remote prefill will write (``num_tokens`` of KV)."""
+        req.pages = self.allocator.allocate(self.pages_for(num_tokens))
+        self.allocator.pin(req.pages)
+        req.state = RequestState.WAITING_FOR_KV
+        self.kv_wait[req.request_id] = req
+
+    def kv_ready(self, req: Request) -> None:
+        del self.kv_wait[req.request_id]
+        self.allocator.unpin(req.pages)
+        req.num_computed = len(req.prompt_ids) - 1
+        req.state = RequestState.RUNNING
+        self.running.append(req)
+
+    def mark_prefilled(self, req: Request) -> None:
+        self.running.remove(req)
+        req.state = RequestState.PREFILLED
+        self.prefilled[req.request_id] = req
+
+    def finish(self, req: Request, state: RequestState, reason: FinishReason, error: str | None = None) -> None:
+        """Take ``req`` out of every queue and free its pages (pinned ones when unpinned)."""
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        elif req.state is RequestState.RUNNING:
+            self.running.remove(req)
+        elif req.state is RequestState.WAITING_FOR_KV:
+            del self.kv_wait[req.request_id]
+        elif req.state is RequestState.PREFILLED:
+            del self.prefilled[req.request_id]
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.state, req.finish_reason, req.error = state, reason, error
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.budget
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        for req in sorted(self.running, key=lambda r: r.compute_target - r.num_computed > 1):
+            if budget == 0 or len(chunks) >= self.max_num_seqs:
+                break
+            if req.state is not RequestState.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.compute_target - req.num_computed, budget, self.max_chunk)
+            if not self._grow(req, req.num_computed + n, protect=scheduled):
+                continue
+            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.compute_target - req.num_computed, budget, self.max_chunk)
+            if not self.allocator.can_allocate(self.pages_for(n)):
+                break  # admission control: wait for pages
+            self.waiting.popleft()
+            req.pages = self.allocator.allocate(self.pages_for(n))
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+        self.steps += 1
+        return SchedulerOutput(self.steps, chunks)
+
+    def _grow(self, req: Request, num_tokens: int, protect: set[str]) -> bool:
+        need = self.pages_for(num_tokens) - len(req.pages)
+        while not self.allocator.can_allocate(need):
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r is not req and r.request_id not in protect and not self._pinned(r)
+                ),
+                None,
+            )
+            if victim is None:
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+        if need > 0:
+            req.pages += self.allocator.allocate(need)
+        return True
+
+    def _pinned(self, req: Request) -> bool:
+        return any(self.allocator.is_pinned(p) for p in req.pages)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.state = RequestState.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
