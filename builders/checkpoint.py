@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from builders.errors import BuildError
 from torch_engine.config import ModelConfig
 
 
@@ -22,4 +23,4 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise KeyError(f"checkpoint {self.name!r} lacks tensor {name!r}") from None
+            raise BuildError(f"checkpoint {self.name!r} lacks tensor {name!r}") from None

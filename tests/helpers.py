@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 from builders import BuildOptions, build_engine
 from torch_engine.config import DType, EngineConfig, KVLayout
 from torch_engine.engine import LLMEngine
+from torch_engine.parallel import TPGroup
 
 _COMMON = {
     "vocab_size": 256,
@@ -96,6 +97,7 @@ def tiny_engine(
     chunk: int = 512,
     budget: int = 512,
     max_num_seqs: int = 32,
+    tp: TPGroup | None = None,
 ) -> LLMEngine:
     cfg = EngineConfig(
         engine_dir=engine_dir,
@@ -107,10 +109,34 @@ def tiny_engine(
         max_num_seqs=max_num_seqs,
         dtype=DType.FLOAT32,
     )
-    return LLMEngine(cfg, load_tokenizer=False)
+    return LLMEngine(cfg, tp=tp, load_tokenizer=False)
 
 
 def build_tiny(folder: Path, out: Path, tp: int = 1, page_size: int = 4) -> Path:
     return build_engine(
         str(folder), out, BuildOptions(tp_size=tp, dtype=DType.FLOAT32, page_size=page_size), progress=False
     )
+
+
+def tp_generate(
+    rank: int, world: int, init_file: str, engine_dir: str, prompts: list[list[int]], max_tokens: int, out: str
+) -> None:
+    """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow."""
+    import json
+
+    import torch.distributed as dist
+
+    from torch_engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world))
+        if rank == 0:
+            tokens = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+            engine.shutdown()
+            Path(out).write_text(json.dumps({"tokens": tokens, "pages_used": engine.page_stats().used}))
+        else:
+            engine.run_follower()
+    finally:
+        dist.destroy_process_group()

@@ -187,7 +187,14 @@ class LLMEngine:
         return self.allocator.stats()
 
     def shutdown(self) -> None:
+        """Leader: release the TP followers from ``run_follower``."""
         self.runner.stop_followers()
+
+    def run_follower(self) -> None:
+        """TP ranks > 0: execute every step the leader broadcasts until it shuts down."""
+        if self.tp.is_leader:
+            raise RuntimeError("the TP leader drives the engine with step(); only followers run this loop")
+        self.runner.follower_loop()
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None) -> list[list[int]]:

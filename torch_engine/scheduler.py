@@ -104,6 +104,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is RequestState.WAITING_FOR_KV:
             del self.kv_wait[req.request_id]
+            self.allocator.unpin(req.pages)  # the reservation's own pin; a transport's pins defer the free
         elif req.state is RequestState.PREFILLED:
             del self.prefilled[req.request_id]
         if req.pages:

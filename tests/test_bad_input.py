@@ -1,0 +1,85 @@
+"""Bad input gets a clear error naming the problem, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_engine
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_engine_dir) -> LLMEngine:
+    return tiny_engine(tiny_engine_dir("llama"), num_pages=64)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        (list(range(200)) * 3, SamplingParams(), "context holds 512"),
+        ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens must be a positive integer, got 0"),
+        ([1, 2, 3], SamplingParams(max_tokens=-5), "max_tokens"),
+        ([1, 2, 3], SamplingParams(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+        ([1, 2, 3], SamplingParams(temperature=float("nan")), "temperature"),
+        ([1, 2, 3], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        ([1, 2, 3], SamplingParams(top_p=1.5), "top_p"),
+        ([1, 2, 3], SamplingParams(top_k=-1), "top_k must be an integer >= 0, got -1"),
+        ([1, 2, 999], SamplingParams(), r"token id 999 is outside the vocabulary \[0, 256\)"),
+        ([1, -2], SamplingParams(), "token id -2"),
+        ([1, 2, 3], SamplingParams(stop=("",)), "stop strings must not be empty"),
+    ],
+)
+def test_bad_request_is_rejected_and_engine_keeps_serving(engine: LLMEngine, prompt, params, match: str) -> None:
+    busy = engine.add_request([7, 8, 9, 10], SamplingParams(max_tokens=5))  # another request in flight
+    engine.step()
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.requests[busy].output_ids) == 5
+    assert engine.generate([[4, 5, 6]], SamplingParams(max_tokens=3))[0]  # a normal request right after
+    assert engine.page_stats().used == 0
+
+
+def test_prompt_larger_than_the_pool(tiny_engine_dir) -> None:
+    engine = tiny_engine(tiny_engine_dir("llama"), num_pages=4)  # 16 tokens of KV
+    with pytest.raises(InvalidRequestError, match="prompt needs 6 KV pages; the pool has 4"):
+        engine.add_request(list(range(20)))
+
+
+def test_duplicate_request_id(engine: LLMEngine) -> None:
+    engine.add_request([1, 2], request_id="a")
+    with pytest.raises(InvalidRequestError, match="'a' is already in use"):
+        engine.add_request([1, 2], request_id="a")
+
+
+def test_text_prompt_without_tokenizer(engine: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.add_request("hello")
+
+
+def test_unknown_model_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"engine.json is missing"):
+        LLMEngine(EngineConfig(engine_dir=tmp_path / "nope"))
+
+
+def test_corrupt_engine_dir(tiny_engine_dir, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_engine_dir("llama"), bad)
+    (bad / "rank0.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match=r"rank0\.safetensors is corrupt"):
+        LLMEngine(EngineConfig(engine_dir=bad), load_tokenizer=False)
+    (bad / "engine.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"engine\.json is corrupt"):
+        LLMEngine(EngineConfig(engine_dir=bad), load_tokenizer=False)
+
+
+def test_wrong_tp_size(tiny_engine_dir) -> None:
+    with pytest.raises(ValueError, match="built for TP 2, not 1"):
+        LLMEngine(EngineConfig(engine_dir=tiny_engine_dir("llama", tp=2)), load_tokenizer=False)

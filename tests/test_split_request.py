@@ -1,0 +1,74 @@
+"""The two halves of a split request: prefill-only on one engine, decode-from-pages on another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import tiny_engine
+from tests.test_engine_equivalence import prompt_of
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.request import RequestKind, RequestState
+from torch_engine.sampling import SamplingParams
+
+
+def split_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    pid = prefill.add_request(prompt, kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
+    while prefill.requests[pid].state is not RequestState.PREFILLED:
+        prefill.step()
+    result = prefill.prefill_result(pid)
+    assert result.num_tokens == len(prompt) - 1
+    did, pages = decode.reserve_for_kv(prompt, params)
+    assert decode.allocator.stats().pinned == len(pages)
+    decode.kv.copy_pages_from(prefill.kv, result.pages[: len(pages)], pages)  # stands in for the messenger
+    prefill.release(pid)
+    decode.kv_ready(did)
+    while not decode.requests[did].finished:
+        decode.step()
+    return list(decode.requests[did].output_ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("length", [2, 9, 40])
+def test_split_equals_plain(kind: str, length: int, tiny, tiny_engine_dir) -> None:
+    params = SamplingParams(max_tokens=10)
+    prompt = prompt_of(length, length)
+    plain = tiny_engine(tiny_engine_dir(kind)).generate([prompt], params)[0]
+    prefill = tiny_engine(tiny_engine_dir(kind), chunk=7, budget=7)  # several chunks, pages shared by chunks
+    decode = tiny_engine(tiny_engine_dir(kind))
+    assert split_generate(prefill, decode, prompt, params) == plain
+    assert prefill.page_stats().used == 0 and decode.page_stats().used == 0
+
+
+def test_prefill_returns_last_hidden_and_logits(tiny, tiny_engine_dir) -> None:
+    _, hf = tiny("llama")
+    prompt = prompt_of(17, 4)
+    engine = tiny_engine(tiny_engine_dir("llama"))
+    pid = engine.add_request(prompt, kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
+    engine.step()
+    result = engine.prefill_result(pid)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt[:-1]]), output_hidden_states=True)
+    torch.testing.assert_close(result.last_logits, ref.logits[0, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(result.last_hidden, ref.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
+    assert result.num_tokens == len(prompt) - 1 and not engine.requests[pid].output_ids  # nothing sampled
+
+
+def test_split_smollm2(smollm2_dir) -> None:
+    cfg = EngineConfig(engine_dir=smollm2_dir, num_pages=64)
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    prompt = prefill.tokenizer.encode("Name three primary colours.", chat=True)
+    params = SamplingParams(max_tokens=16)
+    plain = prefill.generate([prompt], params)[0]
+    assert split_generate(prefill, decode, prompt, params) == plain
+
+
+def test_abort_while_waiting_for_kv_defers_free_until_unpinned(tiny_engine_dir) -> None:
+    engine = tiny_engine(tiny_engine_dir("llama"))
+    rid, pages = engine.reserve_for_kv(prompt_of(30, 2), SamplingParams(max_tokens=4))
+    engine.allocator.pin(pages)  # a transfer still targets these pages
+    assert engine.abort(rid)
+    assert engine.page_stats().used == len(pages)  # not reusable while a write may land
+    engine.allocator.unpin(pages)
+    assert engine.page_stats().used == 0
