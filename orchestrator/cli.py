@@ -148,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     bsub = bench.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="engine prefill/decode throughput vs HF transformers and the memory floor")
     _build_args(be)
+    be.set_defaults(dtype=DType.FLOAT32.value)
     be.add_argument("--threads", type=int, default=2)
     be.add_argument("--prompt-len", type=int, default=256)
     be.add_argument("--decode-tokens", type=int, default=32)
     be.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    be.add_argument("--repeats", type=int, default=3, help="alternating engine / HF runs per batch size (median)")
     be.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
-    be.set_defaults(fn=cmd_bench_engine, engine=None)
+    be.add_argument("--engine", type=Path, default=None, help="use this engine directory instead of building one")
+    be.set_defaults(fn=cmd_bench_engine)
 
     a = parser.parse_args(argv)
     try:

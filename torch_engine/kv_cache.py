@@ -151,27 +151,41 @@ class PagedKVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
     ) -> None:
         """Store K and V (``[T, H, D]``) of T tokens at (page, offset) slots."""
-        pool = self.pools[layer]
+        kv = torch.stack((k, v), dim=2)  # [T, H, 2, D]
         if self.spec.layout is KVLayout.HND:
-            pool.select(2, 0)[pages, :, offsets] = k
-            pool.select(2, 1)[pages, :, offsets] = v
+            self.pools[layer][pages, :, :, offsets] = kv
         else:
-            pool.select(3, 0)[pages, offsets] = k
-            pool.select(3, 1)[pages, offsets] = v
+            self.pools[layer][pages, offsets] = kv
 
     def gather_kv(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the sequences whose pages are the rows of ``page_table`` (``[B, M]``).
 
-        Returns two ``[B, H, M * page_size, D]`` tensors in token order.
+        Returns two ``[B, H, M * page_size, D]`` views of head-major ``[H, B, M * page_size, D]``
+        buffers, so that batched matmuls over (head, sequence) use them as they are. With HND
+        that is one gather per tensor and no further copy.
         """
-        g = self.pools[layer][page_table]
         b, m = page_table.shape
+        pool = self.pools[layer]
         if self.spec.layout is KVLayout.HND:
-            g = g.permute(0, 3, 2, 1, 4, 5)  # [B, M, H, 2, P, D] -> [B, 2, H, M, P, D]
+            k_pages, v_pages = pool[:, :, 0], pool[:, :, 1]  # [N, H, P, D] views
         else:
-            g = g.permute(0, 4, 3, 1, 2, 5)  # [B, M, P, H, 2, D] -> [B, 2, H, M, P, D]
-        g = g.reshape(b, 2, self.spec.kv_heads, m * self.spec.page_size, self.spec.head_dim)
-        return g[:, 0], g[:, 1]
+            k_pages, v_pages = pool[:, :, :, 0].transpose(1, 2), pool[:, :, :, 1].transpose(1, 2)
+        shape = (self.spec.kv_heads, b, m * self.spec.page_size, self.spec.head_dim)
+        k = k_pages.transpose(0, 1)[:, page_table].reshape(shape)  # [H, B, M, P, D] -> [H, B, S, D]
+        v = v_pages.transpose(0, 1)[:, page_table].reshape(shape)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def gather_pages_kv(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole pages, page-major: two ``[B, M, H, P, D]`` views of one gather.
+
+        The gather copies whole pages (contiguous blocks). With HND, every (sequence, page,
+        head) block is a contiguous ``[P, D]`` matrix, so batched matmuls read them in place.
+        """
+        b, m = page_table.shape
+        g = self.pools[layer].index_select(0, page_table.reshape(-1)).view(b, m, *self.spec.page_shape)
+        if self.spec.layout is KVLayout.HND:
+            return g[:, :, :, 0], g[:, :, :, 1]  # [B, M, H, 2, P, D] -> [B, M, H, P, D]
+        return g[..., 0, :].transpose(2, 3), g[..., 1, :].transpose(2, 3)  # [B, M, P, H, 2, D]
 
     def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store the MLA latent (``[T, L]``) of T tokens."""

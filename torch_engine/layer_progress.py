@@ -27,8 +27,10 @@ class LayerProgress:
 
     def bump(self, layer: int) -> None:
         """Called by the model after ``layer``'s output projection."""
-        self._dev[layer] += 1
-        if self._dev is not self._host:
+        if self._dev is self._host:
+            self._view[layer] += 1  # CPU: the forward pass runs on this thread, in order
+        else:
+            self._dev[layer] += 1
             self._host[layer].copy_(self._dev[layer], non_blocking=True)
 
     def completed(self, layer: int) -> int:
@@ -36,4 +38,7 @@ class LayerProgress:
         return int(self._view[layer])
 
     def snapshot(self) -> list[int]:
-        return [int(x) for x in self._view]
+        """All counts, read last layer first: since counts only grow and layer i never runs behind
+        layer i+1, reading in this order yields a consistent view (``counts[i] >= counts[i + 1]``)."""
+        counts = [int(self._view[i]) for i in reversed(range(self.num_layers))]
+        return counts[::-1]

@@ -19,10 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # one fused op; torch accumulates in fp32 for bf16 / fp16 inputs
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -87,7 +85,7 @@ class RotaryTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate ``x`` (``[T, H, dim]``) with ``cos``/``sin`` (``[T, dim // 2]``).
+    """Rotate ``x`` (``[T, H, dim]``) with ``cos``/``sin`` (``[T, dim // 2]``, already in ``x``'s dtype).
 
     Non-interleaved pairs dimension i with i + dim/2 (HF ``rotate_half``). Interleaved pairs
     (2i, 2i+1) (DeepSeek) and returns the result de-interleaved: ``[rotated evens, rotated odds]``,
@@ -98,8 +96,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     else:
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-    c = cos[:, None, :].to(x.dtype)
-    s = sin[:, None, :].to(x.dtype)
+    c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 

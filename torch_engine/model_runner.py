@@ -53,6 +53,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.page_size = kv.spec.page_size
+        self.dtype = kv.spec.dtype
         cfg = model.cfg  # type: ignore[attr-defined]
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)  # type: ignore[attr-defined]
 
@@ -97,7 +98,7 @@ class ModelRunner:
     def _metadata(self, s: StepInputs) -> AttentionMetadata:
         d = self.device
         cos, sin = self.rope.lookup(s.positions.to(d))
-        meta = AttentionMetadata(s.slot_pages.to(d), s.slot_offsets.to(d), cos, sin)
+        meta = AttentionMetadata(s.slot_pages.to(d), s.slot_offsets.to(d), cos.to(self.dtype), sin.to(self.dtype))
         if s.decode_rows is not None and s.decode_tables is not None and s.decode_kv_lens is not None:
             width = s.decode_tables.shape[1] * self.page_size
             keys = torch.arange(width)[None, :]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_engine.attention import AttentionMetadata, attend
+from torch_engine.attention import AttentionMetadata, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
@@ -60,16 +60,8 @@ class MLAttention(nn.Module):
         k_rot = apply_rope(k_rot[:, None, :], meta.cos, meta.sin, self.interleave)[:, 0]
         kv.write_latent(layer, torch.cat((self.kv_a_norm(kv_nope), k_rot), dim=-1), meta.slot_pages, meta.slot_offsets)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        out = q.new_empty(t, self.h, self.vd)
-        if meta.decode_rows is not None:
-            kk, vv = self._expand(kv.gather_latent(layer, meta.decode_page_table))
-            o = attend(q[meta.decode_rows].unsqueeze(2), kk, vv, meta.decode_mask, self.scale)
-            out[meta.decode_rows] = o.squeeze(2)
-        for seg in meta.prefills:
-            kk, vv = self._expand(kv.gather_latent(layer, seg.page_table))
-            o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), kk, vv, seg.mask, self.scale)
-            out[seg.start : seg.end] = o[0].transpose(0, 1)
-        return self.tp.all_reduce(self.o(out.view(t, -1)))
+        out = paged_attention(q, meta, lambda table: self._expand(kv.gather_latent(layer, table)), self.scale, self.vd)
+        return self.tp.all_reduce(self.o(out.reshape(t, -1)))
 
 
 class MoE(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_engine.attention import AttentionMetadata, attend
+from torch_engine.attention import AttentionMetadata, decode_attention, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
@@ -37,22 +37,22 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        qkv = self.qkv(x).view(t, self.hq + 2 * self.hkv, self.d)
+        qk, v = qkv[:, : self.hq + self.hkv], qkv[:, self.hq + self.hkv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+            qk = torch.cat((self.q_norm(qk[:, : self.hq]), self.k_norm(qk[:, self.hq :])), dim=1)
+        qk = apply_rope(qk, meta.cos, meta.sin)  # q and k heads rotated together
+        q, k = qk[:, : self.hq], qk[:, self.hq :]
         kv.write_kv(layer, k, v, meta.slot_pages, meta.slot_offsets)
-        out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            kk, vv = kv.gather_kv(layer, meta.decode_page_table)
-            o = attend(q[meta.decode_rows].unsqueeze(2), kk, vv, meta.decode_mask, self.scale)
-            out[meta.decode_rows] = o.squeeze(2)
-        for seg in meta.prefills:
-            kk, vv = kv.gather_kv(layer, seg.page_table)
-            o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), kk, vv, seg.mask, self.scale)
-            out[seg.start : seg.end] = o[0].transpose(0, 1)
-        return self.tp.all_reduce(self.o(out.view(t, -1)))
+        out = paged_attention(
+            q,
+            meta,
+            lambda table: kv.gather_kv(layer, table),
+            self.scale,
+            self.d,
+            lambda qd, table, mask: decode_attention(qd, *kv.gather_pages_kv(layer, table), mask, self.scale),
+        )
+        return self.tp.all_reduce(self.o(out.reshape(t, -1)))
 
 
 class LlamaLayer(nn.Module):
