@@ -1,0 +1,316 @@
+"""Prefill side of the KV messenger: one per prefill TP rank.
+
+Per request (``PrefillJobState``, ordered):
+
+    STREAMING ──last chunk scheduled──> DRAINING ──every posted write done, FIN sent──> DONE
+        └──────────abort (local, or an ABORTED notification from the decoder)──────> ABORTED
+    any ──a write FAILED──> FAILED
+
+Queues: ``jobs`` (request id -> job); per job, ``pending`` batches ``(forward pass, pages)`` in
+step order, and ``inflight`` transfer handles. The engine thread calls ``schedule`` *before* a
+step runs with the pages that the step completes; the messenger thread polls the engine's
+per-layer counter and posts each finished layer's writes of those pages at once (one transfer
+per decode rank, carrying a KV notification with its write count). Pages are sent whole and
+once: a page shared by two chunks is sent after the chunk that fills it (or the last chunk).
+After the last chunk the leader writes the metadata (last hidden state + logits) into the
+decoder's slot. When every write completed, FIN goes to each decode rank this rank wrote to,
+and the request appears in ``completed()`` so the caller can free its source pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kv_messenger.layout import KVLayoutSpec, check_compatible
+from kv_messenger.protocol import Notification, NotifKind, PrefillRequest, RankEndpoint
+from kv_messenger.shard_plan import PageWrite, plan_writes
+from kv_messenger.transport.base import TransferState, Transport
+
+
+class ProgressSource(Protocol):
+    def completed(self, layer: int) -> int: ...
+
+
+class PrefillJobState(enum.IntEnum):
+    STREAMING = 0
+    DRAINING = 1
+    DONE = 2
+    ABORTED = 3
+    FAILED = 4
+
+
+@dataclass(slots=True)
+class _Batch:
+    forward: int  # the forward pass (counter value) whose layers must finish
+    pages: list[int]  # page indices (token order) that this forward completes
+    next_layer: int = 0
+
+
+@dataclass(slots=True)
+class _Job:
+    req: PrefillRequest
+    src_pages: list[int]
+    by_page: list[dict[int, list[PageWrite]]]  # page index -> decode rank -> this rank's writes
+    state: PrefillJobState = PrefillJobState.STREAMING
+    pending: deque[_Batch] = field(default_factory=deque)
+    queued_pages: int = 0  # pages [0, queued_pages) are in some batch
+    inflight: list[tuple[object, int]] = field(default_factory=list)  # (handle, decode rank)
+    posted: dict[int, int] = field(default_factory=dict)  # decode rank -> writes posted
+    meta: torch.Tensor | None = None
+    meta_posted: bool = False
+    staging_slot: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    request_id: str
+    state: PrefillJobState
+    error: str | None
+
+
+class PrefillSide:
+    def __init__(
+        self,
+        transport: Transport,
+        layout: KVLayoutSpec,
+        pools: Sequence[torch.Tensor],
+        progress: ProgressSource,
+        meta_slot_bytes: int = 0,
+        meta_slots: int = 8,
+        poll_interval_s: float = 50e-6,
+    ) -> None:
+        if len(pools) != layout.num_layers:
+            raise ValueError(f"{len(pools)} pools for {layout.num_layers} layers")
+        self.transport = transport
+        self.layout = layout
+        self.pools = list(pools)
+        self.progress = progress
+        self.poll_interval_s = poll_interval_s
+        transport.register(self.pools)
+        self._staging = torch.zeros(max(meta_slots, 1), max(meta_slot_bytes, 1), dtype=torch.uint8)
+        transport.register([self._staging])
+        self._free_staging = deque(range(self._staging.shape[0]))
+        self._peers: dict[str, RankEndpoint] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._done: deque[PrefillOutcome] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.writes_posted = 0
+        self.bytes_posted = 0
+
+    # -- set-up --------------------------------------------------------------------------
+    def endpoint(self) -> RankEndpoint:
+        return RankEndpoint.of(self.transport.name, self.transport.metadata(), self.layout, self.pools)
+
+    def connect(self, decode_ranks: Sequence[RankEndpoint]) -> None:
+        """Handshake with a decode group: layouts must match (else nothing is ever sent)."""
+        for ep in decode_ranks:
+            check_compatible(self.layout, ep.layout)
+            self.transport.add_peer(ep.agent, ep.metadata)
+            self._peers[ep.agent] = ep
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kv-prefill-{self.transport.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- engine thread -------------------------------------------------------------------
+    def submit(self, req: PrefillRequest, src_pages: Sequence[int]) -> None:
+        """A prefill request this rank takes part in; ``src_pages`` hold its KV here, in token order."""
+        n_pages = len(req.dst_pages)
+        if len(src_pages) < n_pages:
+            raise ValueError(f"{len(src_pages)} source pages for {n_pages} destination pages")
+        dst_layout = self._dst_layout(req)
+        plan = plan_writes(self.layout, dst_layout, list(enumerate(range(n_pages))), req.seed)
+        by_page: list[dict[int, list[PageWrite]]] = [{} for _ in range(n_pages)]
+        for w in plan.for_source(self.layout.tp_rank):
+            by_page[w.src_page].setdefault(w.dst_rank, []).append(w)
+        job = _Job(req, list(src_pages[:n_pages]), by_page)
+        with self._lock:
+            old = self._jobs.get(req.request_id)
+            if old is not None and old.state < PrefillJobState.DONE:
+                if old.req.epoch >= req.epoch:
+                    raise ValueError(f"request {req.request_id} epoch {req.epoch} is not newer than {old.req.epoch}")
+                old.state = PrefillJobState.ABORTED  # a newer epoch supersedes it: no further writes
+            self._jobs[req.request_id] = job
+
+    def schedule(self, request_id: str, forward: int, tokens_done: int, last: bool) -> None:
+        """Before forward pass ``forward`` runs: after it, ``tokens_done`` tokens of KV exist."""
+        with self._lock:
+            job = self._jobs[request_id]
+            if job.state is not PrefillJobState.STREAMING:
+                return
+            p, n = self.layout.page_size, len(job.by_page)
+            full = min(tokens_done // p, n)
+            upto = n if last else full
+            if upto > job.queued_pages:
+                job.pending.append(_Batch(forward, list(range(job.queued_pages, upto))))
+                job.queued_pages = upto
+            if last:
+                job.state = PrefillJobState.DRAINING
+
+    def set_metadata(self, request_id: str, payload: torch.Tensor) -> None:
+        """Leader only, after the last chunk: bytes for the decoder's metadata slot."""
+        raw = payload.contiguous().view(torch.uint8).reshape(-1)
+        with self._lock:
+            job = self._jobs[request_id]
+            if raw.numel() > self._staging.shape[1]:
+                raise ValueError(f"metadata of {raw.numel()} bytes exceeds the {self._staging.shape[1]}-byte slot")
+            job.meta = raw.clone()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is not None and job.state < PrefillJobState.DONE:
+                job.state = PrefillJobState.ABORTED
+
+    def completed(self) -> list[PrefillOutcome]:
+        """Requests whose writes are all over (done, aborted or failed): free their source pages."""
+        out = []
+        with self._lock:
+            while self._done:
+                out.append(self._done.popleft())
+        return out
+
+    # -- messenger thread ----------------------------------------------------------------
+    def _dst_layout(self, req: PrefillRequest) -> KVLayoutSpec:
+        try:
+            return self._peers[req.decode_ranks[0]].layout.model_copy(update={"tp_size": len(req.decode_ranks)})
+        except (KeyError, IndexError):
+            raise ValueError(f"request {req.request_id}: decode ranks {req.decode_ranks} are not connected") from None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.poll_once():
+                time.sleep(self.poll_interval_s)
+
+    def poll_once(self) -> bool:
+        """One pass: control messages, newly finished layers, transfer states. True if anything moved."""
+        moved = self._control()
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            moved |= self._advance(job)
+        return moved
+
+    def _control(self) -> bool:
+        msgs = self.transport.notifications()
+        for _, raw in msgs:
+            note = Notification.decode(raw)
+            if note.kind is NotifKind.ABORTED:
+                with self._lock:
+                    job = self._jobs.get(note.request_id)
+                    if job is not None and job.req.epoch == note.epoch and job.state < PrefillJobState.DONE:
+                        job.state = PrefillJobState.ABORTED
+        return bool(msgs)
+
+    def _advance(self, job: _Job) -> bool:
+        moved = False
+        if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING):
+            while job.pending:
+                batch = job.pending[0]
+                while (
+                    batch.next_layer < self.layout.num_layers
+                    and self.progress.completed(batch.next_layer) >= batch.forward
+                ):
+                    self._post_layer(job, batch.pages, batch.next_layer)
+                    batch.next_layer += 1
+                    moved = True
+                if batch.next_layer < self.layout.num_layers:
+                    break
+                job.pending.popleft()
+            if (
+                job.state is PrefillJobState.DRAINING
+                and not job.pending
+                and job.meta is not None
+                and not job.meta_posted
+                and self._free_staging
+            ):
+                self._post_meta(job)
+                moved = True
+        still = []
+        for handle, rank in job.inflight:
+            st = self.transport.state(handle)
+            if st is TransferState.PENDING:
+                still.append((handle, rank))
+                continue
+            self.transport.release(handle)
+            moved = True
+            if st is TransferState.FAILED:
+                job.state, job.error = PrefillJobState.FAILED, f"a KV write to decode rank {rank} failed"
+        job.inflight = still
+        if not job.inflight and self._finished(job):
+            self._close(job)
+            moved = True
+        return moved
+
+    def _finished(self, job: _Job) -> bool:
+        if job.state in (PrefillJobState.ABORTED, PrefillJobState.FAILED):
+            return True
+        wants_meta = job.req.meta_slot is not None and self.layout.tp_rank == 0
+        meta_ok = job.meta_posted or not wants_meta
+        return job.state is PrefillJobState.DRAINING and not job.pending and meta_ok
+
+    def _post_layer(self, job: _Job, pages: list[int], layer: int) -> None:
+        ranges: dict[int, list[tuple[int, int, int]]] = {}
+        src_base = self.pools[layer].data_ptr()
+        src_pb = self.layout.page_bytes
+        for i in pages:
+            for d, writes in job.by_page[i].items():
+                ep = self._peers[job.req.decode_ranks[d]]
+                dst_page = job.req.dst_pages[i]
+                for w in writes:
+                    src = src_base + job.src_pages[i] * src_pb + w.src_offset
+                    ranges.setdefault(d, []).append((src, ep.page_addr(layer, dst_page) + w.dst_offset, w.length))
+        for d, rs in ranges.items():
+            note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, len(rs))
+            job.inflight.append((self.transport.write(job.req.decode_ranks[d], rs, note.encode()), d))
+            job.posted[d] = job.posted.get(d, 0) + len(rs)
+            self.writes_posted += len(rs)
+            self.bytes_posted += sum(r[2] for r in rs)
+
+    def _post_meta(self, job: _Job) -> None:
+        job.meta_posted = True
+        if job.req.meta_slot is None or self.layout.tp_rank != 0 or job.meta is None:
+            return
+        ep = self._peers[job.req.decode_ranks[0]]
+        if job.meta.numel() > ep.meta_slot_bytes or not 0 <= job.req.meta_slot < ep.meta_slots:
+            job.state, job.error = PrefillJobState.FAILED, "metadata does not fit the decoder's slot"
+            return
+        slot = self._free_staging.popleft()  # one slot per job in DRAINING; returned in _close
+        job.staging_slot = slot
+        self._staging[slot, : job.meta.numel()] = job.meta
+        dst = ep.meta_addr + job.req.meta_slot * ep.meta_slot_bytes
+        note = Notification(NotifKind.META, job.req.request_id, job.req.epoch, 1)
+        rng = [(self._staging[slot].data_ptr(), dst, job.meta.numel())]
+        job.inflight.append((self.transport.write(ep.agent, rng, note.encode()), 0))
+        job.posted[0] = job.posted.get(0, 0) + 1
+
+    def _close(self, job: _Job) -> None:
+        kind = NotifKind.FIN if job.state is PrefillJobState.DRAINING else NotifKind.ABORTED
+        targets = {d for page in job.by_page for d in page} | set(job.posted)
+        for d in sorted(targets):
+            note = Notification(kind, job.req.request_id, job.req.epoch, job.posted.get(d, 0))
+            self.transport.send_notif(job.req.decode_ranks[d], note.encode())
+        if job.state is PrefillJobState.DRAINING:
+            job.state = PrefillJobState.DONE
+        if job.staging_slot is not None:
+            self._free_staging.append(job.staging_slot)
+        with self._lock:
+            if self._jobs.get(job.req.request_id) is job:
+                del self._jobs[job.req.request_id]
+            self._done.append(PrefillOutcome(job.req.request_id, job.state, job.error))

@@ -1,0 +1,82 @@
+"""NIXL transport: UCX by default (RDMA / shared memory / TCP), LIBFABRIC selectable for EFA.
+
+Exercised here: UCX on CPU memory (DRAM) between processes of one machine. Not exercised:
+LIBFABRIC (needs EFA hardware), VRAM registration (needs a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kv_messenger.transport.base import FaultInjector, Range, TransferState
+
+BACKENDS = ("UCX", "LIBFABRIC")
+
+
+class NixlTransport:
+    def __init__(self, name: str, backend: str = "UCX") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown NIXL backend {backend!r}; choose one of {BACKENDS}")
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise RuntimeError("NIXL is not installed: pip install nixl-cu12") from exc
+        self.name = name
+        self.faults = FaultInjector()
+        self._agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
+        self._mem_type = "DRAM"
+        self._registered: list[object] = []
+        self._done = object()  # handle of a transfer the fault injector dropped
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        if any(t.device.type == "cuda" for t in tensors):
+            self._mem_type = "VRAM"
+        self._registered.append(self._agent.register_memory(tensors))
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        added = self._agent.add_remote_agent(metadata)
+        if isinstance(added, bytes):
+            added = added.decode()
+        if added != name:
+            raise ValueError(f"peer metadata names agent {added!r}, expected {name!r}")
+
+    def _descs(self, pairs: np.ndarray) -> object:
+        return self._agent.get_xfer_descs(pairs, self._mem_type)
+
+    def write(self, peer: str, ranges: list[Range], notif: bytes) -> object:
+        if self.faults.should_drop():
+            return self._done
+        arr = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+        dev = np.zeros(len(arr), dtype=np.uint64)
+        local = self._descs(np.stack([arr[:, 0], arr[:, 2], dev], axis=1))
+        remote = self._descs(np.stack([arr[:, 1], arr[:, 2], dev], axis=1))
+        handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
+        if self._agent.transfer(handle) == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL could not post a write to {peer!r}")
+        return handle
+
+    def state(self, handle: object) -> TransferState:
+        if handle is self._done:
+            return TransferState.DONE
+        s = self._agent.check_xfer_state(handle)
+        return {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}.get(s, TransferState.FAILED)
+
+    def release(self, handle: object) -> None:
+        if handle is not self._done:
+            self._agent.release_xfer_handle(handle)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._agent.send_notif(peer, msg)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return [(peer, m) for peer, msgs in self._agent.get_new_notifs().items() for m in msgs]
+
+    def close(self) -> None:
+        for reg in self._registered:
+            self._agent.deregister_memory(reg)
+        self._registered.clear()
