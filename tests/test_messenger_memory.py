@@ -180,5 +180,5 @@ def test_incompatible_handshake_moves_nothing() -> None:
     b = spec(AttentionKind.GQA, KVLayout.NHD, 16, 1)
     pre = PrefillSide(fabric.agent("p0"), a, make_pools(a, None), FakeProgress(LAYERS))
     dec = DecodeSide(fabric.agent("d0"), b, make_pools(b, None))
-    with pytest.raises(IncompatibleLayoutError, match="layout: <KVLayout.HND: 'hnd'> vs <KVLayout.NHD: 'nhd'>"):
+    with pytest.raises(IncompatibleLayoutError, match="layout: hnd vs nhd"):
         pre.connect([dec.endpoint()])

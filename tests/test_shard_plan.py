@@ -97,5 +97,5 @@ def test_incompatible_layouts_are_refused() -> None:
     common = {"kind": AttentionKind.GQA, "num_layers": 2, "layout": KVLayout.HND, "kv_heads": 4, "head_dim": 8}
     a = KVLayoutSpec(page_size=16, dtype="bfloat16", **common)
     b = KVLayoutSpec(page_size=32, dtype="float32", **common)
-    with pytest.raises(IncompatibleLayoutError, match=r"page_size: 16 vs 32; dtype: 'bfloat16' vs 'float32'"):
+    with pytest.raises(IncompatibleLayoutError, match=r"page_size: 16 vs 32; dtype: bfloat16 vs float32"):
         plan_writes(a, b, [(0, 0)])
