@@ -110,8 +110,11 @@ def check_compatible(src: KVLayoutSpec, dst: KVLayoutSpec) -> None:
     if src.compat_hash() == dst.compat_hash():
         return
     fields = ("kind", "num_layers", "page_size", "layout", "dtype", "kv_heads", "head_dim", "latent_dim")
+
     def show(v: object) -> str:
         return str(v.value) if isinstance(v, enum.Enum) else str(v)
 
-    diff = [f"{f}: {show(getattr(src, f))} vs {show(getattr(dst, f))}" for f in fields if getattr(src, f) != getattr(dst, f)]
+    diff = [
+        f"{f}: {show(getattr(src, f))} vs {show(getattr(dst, f))}" for f in fields if getattr(src, f) != getattr(dst, f)
+    ]
     raise IncompatibleLayoutError("KV layouts differ (prefill vs decode): " + "; ".join(diff))

@@ -154,7 +154,8 @@ class Scheduler:
                 None,
             )
             if victim is None:
-                self._preempt(req)
+                if not self._pinned(req):  # pinned pages are being transferred: wait, never recompute
+                    self._preempt(req)
                 return False
             self._preempt(victim)
         if need > 0:
