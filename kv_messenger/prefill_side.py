@@ -57,7 +57,7 @@ class _Batch:
 @dataclass(slots=True)
 class _Job:
     req: PrefillRequest
-    src_pages: list[int]
+    src_pages: list[int]  # this rank's pages of the request, token order (grows with the chunks)
     by_page: list[dict[int, list[PageWrite]]]  # page index -> decode rank -> this rank's writes
     state: PrefillJobState = PrefillJobState.STREAMING
     pending: deque[_Batch] = field(default_factory=deque)
@@ -129,17 +129,15 @@ class PrefillSide:
             self._thread.join()
 
     # -- engine thread -------------------------------------------------------------------
-    def submit(self, req: PrefillRequest, src_pages: Sequence[int]) -> None:
-        """A prefill request this rank takes part in; ``src_pages`` hold its KV here, in token order."""
+    def submit(self, req: PrefillRequest) -> None:
+        """A prefill request this rank takes part in (its source pages come with each ``schedule``)."""
         n_pages = len(req.dst_pages)
-        if len(src_pages) < n_pages:
-            raise ValueError(f"{len(src_pages)} source pages for {n_pages} destination pages")
         dst_layout = self._dst_layout(req)
         plan = plan_writes(self.layout, dst_layout, list(enumerate(range(n_pages))), req.seed)
         by_page: list[dict[int, list[PageWrite]]] = [{} for _ in range(n_pages)]
         for w in plan.for_source(self.layout.tp_rank):
             by_page[w.src_page].setdefault(w.dst_rank, []).append(w)
-        job = _Job(req, list(src_pages[:n_pages]), by_page)
+        job = _Job(req, [], by_page)
         with self._lock:
             old = self._jobs.get(req.request_id)
             if old is not None and old.state < PrefillJobState.DONE:
@@ -148,13 +146,20 @@ class PrefillSide:
                 old.state = PrefillJobState.ABORTED  # a newer epoch supersedes it: no further writes
             self._jobs[req.request_id] = job
 
-    def schedule(self, request_id: str, forward: int, tokens_done: int, last: bool) -> None:
-        """Before forward pass ``forward`` runs: after it, ``tokens_done`` tokens of KV exist."""
+    def schedule(self, request_id: str, forward: int, tokens_done: int, last: bool, src_pages: Sequence[int]) -> None:
+        """Before forward pass ``forward`` runs: after it, ``tokens_done`` tokens of KV exist in
+        ``src_pages`` (the request's pages here, in token order; they must stay put until done)."""
         with self._lock:
             job = self._jobs[request_id]
             if job.state is not PrefillJobState.STREAMING:
                 return
             p, n = self.layout.page_size, len(job.by_page)
+            needed = min(-(-tokens_done // p), n)
+            if len(src_pages) < needed:
+                raise ValueError(
+                    f"request {request_id}: {tokens_done} tokens need {needed} source pages, got {len(src_pages)}"
+                )
+            job.src_pages = list(src_pages[:n])
             full = min(tokens_done // p, n)
             upto = n if last else full
             if upto > job.queued_pages:

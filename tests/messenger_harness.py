@@ -89,11 +89,11 @@ def drive(prefills: list[PrefillSide], progress: list[FakeProgress], req: Prefil
     """Schedule each chunk, then finish its layers one by one, polling the messengers in between."""
     src_pages, _ = scenario.pages()
     for p in prefills:
-        p.submit(req, src_pages)
+        p.submit(req)
     chunks = scenario.chunks()
     for step, done in enumerate(chunks, start=1):
         for p in prefills:
-            p.schedule(req.request_id, step, done, last=step == len(chunks))
+            p.schedule(req.request_id, step, done, step == len(chunks), src_pages)
         for layer in range(LAYERS):
             for pr in progress:
                 pr.counts[layer] = step

@@ -77,12 +77,12 @@ def serve(conn: Connection, side: str) -> None:
 def run_prefill(sides: list[PrefillSide], progress: list[FakeProgress], sc: Scenario, req: PrefillRequest) -> str:
     src_pages, _ = sc.pages()
     for s in sides:
-        s.submit(req, src_pages)
+        s.submit(req)
         s.start()  # the messenger thread polls the counters
     chunks = sc.chunks()
     for step, done in enumerate(chunks, start=1):
         for s in sides:
-            s.schedule(req.request_id, step, done, last=step == len(chunks))
+            s.schedule(req.request_id, step, done, step == len(chunks), src_pages)
         for layer in range(LAYERS):  # layers finish one by one, as in a forward pass
             for pr in progress:
                 pr.counts[layer] = step

@@ -132,8 +132,8 @@ def test_cancel_mid_transfer_then_next_request_is_unaffected() -> None:
         d.expect("r1", 0, ["p0", "p1"], n_pages, seed=1, meta=False, timeout_s=5)
     src_pages, _ = sc.pages()
     for p in prefills:
-        p.submit(_request(sc), src_pages)
-        p.schedule("r1", 1, 7, last=False)
+        p.submit(_request(sc))
+        p.schedule("r1", 1, 7, False, src_pages)
     progress[0].counts[0] = progress[1].counts[0] = 1  # layer 0 of the first chunk is out
     for p in prefills:
         p.poll_once()
@@ -170,8 +170,8 @@ def test_late_write_of_an_old_epoch_is_rejected() -> None:
     polled = decodes[0].poll()
     assert not polled.ready and decodes[0].stale > 0  # none of epoch 0's writes counted
     with pytest.raises(ValueError, match="epoch 0 is not newer than 0"):
-        prefills[0].submit(_request(sc, epoch=0), sc.pages()[0])
-        prefills[0].submit(_request(sc, epoch=0), sc.pages()[0])
+        prefills[0].submit(_request(sc, epoch=0))
+        prefills[0].submit(_request(sc, epoch=0))
 
 
 def test_incompatible_handshake_moves_nothing() -> None:

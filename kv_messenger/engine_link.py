@@ -1,0 +1,176 @@
+"""Glue between an ``LLMEngine`` and a messenger side. The engine never imports the messenger.
+
+``PrefillLink`` (prefill node, TP leader or TP 1): turns ``PrefillRequest``s into prefill-only
+engine requests, tells the messenger which chunks each step runs (``before_step``, before the
+forward pass), pins the source pages while they are being sent, hands over the last hidden
+state + logits, and releases the pages when every write completed.
+
+``DecodeLink`` (decode node): reserves and pins destination pages, tells the messenger what to
+expect, builds the ``PrefillRequest`` to send, and each step moves requests whose KV landed
+into the batch (``kv_ready``) or fails them (``kv_failed``). Pages of a failed request return
+to the pool only when the messenger says no write can still land.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv_messenger.decode_side import DecodeSide
+from kv_messenger.layout import AttentionKind, KVLayoutSpec
+from kv_messenger.prefill_side import PrefillJobState, PrefillSide
+from kv_messenger.protocol import PrefillRequest
+from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason, RequestKind, RequestOutput
+from torch_engine.sampling import SamplingParams
+from torch_engine.scheduler import SchedulerOutput
+
+
+def engine_layout(engine: LLMEngine) -> KVLayoutSpec:
+    """The messenger's view of an engine's KV pools."""
+    spec, mc = engine.kv.spec, engine.manifest.model
+    common = {
+        "num_layers": spec.num_layers,
+        "page_size": spec.page_size,
+        "layout": spec.layout,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "tp_size": engine.tp.size,
+        "tp_rank": engine.tp.rank,
+    }
+    if spec.is_mla:
+        return KVLayoutSpec(kind=AttentionKind.MLA, latent_dim=spec.latent_dim, **common)
+    return KVLayoutSpec(kind=AttentionKind.GQA, kv_heads=mc.num_kv_heads, head_dim=spec.head_dim, **common)
+
+
+def metadata_bytes(engine: LLMEngine) -> int:
+    """Size of the metadata a prefill hands over: last hidden state + last logits, fp32."""
+    mc = engine.manifest.model
+    return (mc.hidden_size + mc.vocab_size) * 4
+
+
+class PrefillLink:
+    def __init__(self, engine: LLMEngine, side: PrefillSide) -> None:
+        self.engine = engine
+        self.side = side
+        self._pinned: dict[str, list[int]] = {}
+        self._wants_meta: set[str] = set()
+        engine.observers.append(self)
+
+    def submit(self, req: PrefillRequest) -> None:
+        self.engine.add_request(
+            req.prompt_ids,
+            request_id=req.request_id,
+            kind=RequestKind.PREFILL_ONLY,
+            want_last_hidden=req.meta_slot is not None,
+        )
+        self.side.submit(req)
+        self._pinned[req.request_id] = []
+        if req.meta_slot is not None:
+            self._wants_meta.add(req.request_id)
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        forward = self.engine.progress.completed(self.engine.progress.num_layers - 1) + 1
+        for c in sched.chunks:
+            pinned = self._pinned.get(c.request.request_id)
+            if pinned is None:
+                continue
+            fresh = c.request.pages[len(pinned) :]
+            self.engine.allocator.pin(fresh)  # the scheduler never preempts a request with pinned pages
+            pinned += fresh
+            self.side.schedule(c.request.request_id, forward, c.start + c.length, c.completes, c.request.pages)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step plus the messenger bookkeeping; returns the engine's outputs."""
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.finish_reason is FinishReason.PREFILLED and out.request_id in self._wants_meta:
+                req = self.engine.requests[out.request_id]
+                assert req.last_hidden is not None and req.last_logits is not None
+                payload = torch.cat((req.last_hidden.float(), req.last_logits.float()))
+                self.side.set_metadata(out.request_id, payload)
+        self.reap()
+        return outputs
+
+    def reap(self) -> list[str]:
+        """Release the source pages of requests whose transfers are over."""
+        done = []
+        for outcome in self.side.completed():
+            rid = outcome.request_id
+            self.engine.allocator.unpin(self._pinned.pop(rid, []))
+            self._wants_meta.discard(rid)
+            if outcome.state is PrefillJobState.DONE:
+                self.engine.release(rid)
+            else:
+                self.engine.abort(rid)
+            self.engine.requests.pop(rid, None)
+            done.append(rid)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        self.side.abort(request_id)  # pages come back through reap() once no write is in flight
+
+
+class DecodeLink:
+    def __init__(self, engine: LLMEngine, side: DecodeSide, prefill_agents: list[str], timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.side = side
+        self.prefill_agents = prefill_agents
+        self.timeout_s = timeout_s
+        self._epochs: dict[str, int] = {}
+        self._slots = list(range(side.meta_slots))
+        self._slot_of: dict[str, int] = {}
+        self._pages: dict[str, list[int]] = {}
+        self._meta: dict[str, torch.Tensor] = {}
+
+    def start(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, seed: int = 0, meta: bool = False
+    ) -> PrefillRequest:
+        """Reserve pages and start counting; returns the request to send to the prefill node."""
+        rid, pages = self.engine.reserve_for_kv(prompt_ids, params, request_id)
+        self.engine.allocator.pin(pages)  # held until no write can land, whatever the engine does
+        epoch = self._epochs.get(rid, -1) + 1
+        self._epochs[rid] = epoch
+        slot = self._slots.pop() if meta and self._slots else None
+        if slot is not None:
+            self._slot_of[rid] = slot
+        self._pages[rid] = pages
+        self.side.expect(rid, epoch, self.prefill_agents, len(pages), seed, slot is not None, self.timeout_s)
+        return PrefillRequest(
+            request_id=rid,
+            epoch=epoch,
+            prompt_ids=list(prompt_ids),
+            dst_pages=pages,
+            decode_ranks=[self.side.transport.name],
+            seed=seed,
+            meta_slot=slot,
+        )
+
+    def metadata(self, request_id: str) -> torch.Tensor | None:
+        """The prefill's last hidden state + logits (fp32, concatenated), once the request is ready."""
+        return self._meta.get(request_id)
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Move landed requests into the batch; returns the failed ones with their errors."""
+        polled = self.side.poll()
+        for rid in polled.ready:
+            self.engine.allocator.unpin(self._pages.pop(rid))
+            slot = self._slot_of.get(rid)
+            if slot is not None:
+                n = metadata_bytes(self.engine)
+                self._meta[rid] = self.side.meta_slot(slot)[:n].view(torch.float32).clone()
+                self._free_slot(rid)
+            self.engine.kv_ready(rid)
+        for rid, error in polled.failed:
+            self.engine.kv_failed(rid, error)  # pages stay pinned (not reusable) until releasable
+        for rid in polled.releasable:
+            self.engine.allocator.unpin(self._pages.pop(rid))
+            self._free_slot(rid)
+        return polled.failed
+
+    def abort(self, request_id: str) -> None:
+        self.side.abort(request_id)
+        self.engine.abort(request_id)
+
+    def _free_slot(self, rid: str) -> None:
+        slot = self._slot_of.pop(rid, None)
+        if slot is not None:
+            self._slots.append(slot)
