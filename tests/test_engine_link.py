@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -67,13 +69,11 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
 
 
 def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
-    prefill, decode, plink, dlink, pside = linked("llama", tiny_engine_dir, MemoryFabric())
+    _, decode, plink, dlink, pside = linked("llama", tiny_engine_dir, MemoryFabric())
     dlink.timeout_s = 0.2
-    req = dlink.start(prompt_of(30, 1), SamplingParams(max_tokens=4), "lost")  # never sent to the prefill
+    dlink.start(prompt_of(30, 1), SamplingParams(max_tokens=4), "lost")  # never sent to the prefill
     used = decode.page_stats().used
     assert used > 0
-    import time
-
     time.sleep(0.3)
     failed = dlink.poll()
     assert failed and "timed out" in failed[0][1]
@@ -82,7 +82,6 @@ def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     dlink.side.grace_s = 0.0
     dlink.poll()
     assert decode.page_stats().used == 0
-    del req
     pside.start()
     try:
         req = dlink.start(prompt_of(12, 2), SamplingParams(max_tokens=3), "next")
