@@ -39,6 +39,17 @@ class ProgressSource(Protocol):
     def completed(self, layer: int) -> int: ...
 
 
+def _coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge writes that continue each other on both sides (adjacent pages here and there)."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst, n in ranges:
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((src, dst, n))
+    return out
+
+
 class PrefillJobState(enum.IntEnum):
     STREAMING = 0
     DRAINING = 1
@@ -87,6 +98,7 @@ class PrefillSide:
         meta_slot_bytes: int = 0,
         meta_slots: int = 8,
         poll_interval_s: float = 50e-6,
+        stream_layers: bool = True,
     ) -> None:
         if len(pools) != layout.num_layers:
             raise ValueError(f"{len(pools)} pools for {layout.num_layers} layers")
@@ -95,6 +107,7 @@ class PrefillSide:
         self.pools = list(pools)
         self.progress = progress
         self.poll_interval_s = poll_interval_s
+        self.stream_layers = stream_layers  # False: send nothing until the whole prefill has run
         transport.register(self.pools)
         self._staging = torch.zeros(max(meta_slots, 1), max(meta_slot_bytes, 1), dtype=torch.uint8)
         transport.register([self._staging])
@@ -204,7 +217,8 @@ class PrefillSide:
                 time.sleep(self.poll_interval_s)
 
     def poll_once(self) -> bool:
-        """One pass: control messages, newly finished layers, transfer states. True if anything moved."""
+        """One pass: control messages, newly finished layers, transfer states. True if anything moved
+        or a write is in flight (the transport makes progress when polled: no busy progress thread)."""
         moved = self._control()
         with self._lock:
             jobs = list(self._jobs.values())
@@ -225,7 +239,7 @@ class PrefillSide:
 
     def _advance(self, job: _Job) -> bool:
         moved = False
-        if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING):
+        if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING) and self._may_send(job):
             while job.pending:
                 batch = job.pending[0]
                 while (
@@ -261,7 +275,15 @@ class PrefillSide:
         if not job.inflight and self._finished(job):
             self._close(job)
             moved = True
-        return moved
+        return moved or bool(job.inflight)  # keep driving the transport while writes are in flight
+
+    def _may_send(self, job: _Job) -> bool:
+        """With layer streaming off, nothing goes out until the request's last forward pass is over."""
+        if self.stream_layers or not job.pending:
+            return True
+        if job.state is not PrefillJobState.DRAINING:
+            return False
+        return self.progress.completed(self.layout.num_layers - 1) >= job.pending[-1].forward
 
     def _finished(self, job: _Job) -> bool:
         if job.state in (PrefillJobState.ABORTED, PrefillJobState.FAILED):
@@ -282,8 +304,8 @@ class PrefillSide:
                     src = src_base + job.src_pages[i] * src_pb + w.src_offset
                     ranges.setdefault(d, []).append((src, ep.page_addr(layer, dst_page) + w.dst_offset, w.length))
         for d, rs in ranges.items():
-            note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, len(rs))
-            job.inflight.append((self.transport.write(job.req.decode_ranks[d], rs, note.encode()), d))
+            note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, len(rs))  # planned writes
+            job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))
             job.posted[d] = job.posted.get(d, 0) + len(rs)
             self.writes_posted += len(rs)
             self.bytes_posted += sum(r[2] for r in rs)

@@ -122,6 +122,12 @@ def cmd_bench_engine(a: argparse.Namespace) -> int:
     return run_engine_bench(a, _engine_dir)
 
 
+def cmd_bench_transfer(a: argparse.Namespace) -> int:
+    from orchestrator.bench_transfer import run_transfer_bench
+
+    return run_transfer_bench(a, _engine_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -157,6 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
     be.add_argument("--engine", type=Path, default=None, help="use this engine directory instead of building one")
     be.set_defaults(fn=cmd_bench_engine)
+
+    bt = bsub.add_parser(
+        "transfer", help="KV messenger vs raw NIXL vs memcpy; exposed time with layer streaming on/off"
+    )
+    _build_args(bt)
+    bt.set_defaults(dtype=DType.FLOAT32.value)
+    bt.add_argument("--engine", type=Path, default=None, help="use this engine directory instead of building one")
+    bt.add_argument("--tokens", type=int, default=2048, help="prompt length of the realistic request")
+    bt.add_argument("--chunk", type=int, default=512, help="prefill chunk (token budget per step)")
+    bt.add_argument("--threads", type=int, default=1, help="torch threads of the prefill engine")
+    bt.add_argument("--repeats", type=int, default=3)
+    bt.add_argument("--backend", choices=["UCX", "LIBFABRIC"], default="UCX")
+    bt.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
+    bt.set_defaults(fn=cmd_bench_transfer)
 
     a = parser.parse_args(argv)
     try:

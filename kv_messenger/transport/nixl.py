@@ -15,7 +15,7 @@ BACKENDS = ("UCX", "LIBFABRIC")
 
 
 class NixlTransport:
-    def __init__(self, name: str, backend: str = "UCX") -> None:
+    def __init__(self, name: str, backend: str = "UCX", progress_thread: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown NIXL backend {backend!r}; choose one of {BACKENDS}")
         try:
@@ -24,7 +24,7 @@ class NixlTransport:
             raise RuntimeError("NIXL is not installed: pip install nixl-cu12") from exc
         self.name = name
         self.faults = FaultInjector()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
         self._mem_type = "DRAM"
         self._registered: list[object] = []
         self._done = object()  # handle of a transfer the fault injector dropped
