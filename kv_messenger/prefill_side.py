@@ -113,6 +113,8 @@ class PrefillSide:
         transport.register([self._staging])
         self._free_staging = deque(range(self._staging.shape[0]))
         self._peers: dict[str, RankEndpoint] = {}
+        self._peer_pools: dict[str, tuple[list[int], int]] = {}  # agent -> (layer base addresses, page bytes)
+        self._page_bytes = layout.page_bytes
         self._jobs: dict[str, _Job] = {}
         self._done: deque[PrefillOutcome] = deque()
         self._lock = threading.Lock()
@@ -131,6 +133,7 @@ class PrefillSide:
             check_compatible(self.layout, ep.layout)
             self.transport.add_peer(ep.agent, ep.metadata)
             self._peers[ep.agent] = ep
+            self._peer_pools[ep.agent] = (list(ep.layer_addrs), ep.layout.page_bytes)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"kv-prefill-{self.transport.name}", daemon=True)
@@ -242,12 +245,14 @@ class PrefillSide:
         if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING) and self._may_send(job):
             while job.pending:
                 batch = job.pending[0]
+                first = batch.next_layer
                 while (
                     batch.next_layer < self.layout.num_layers
                     and self.progress.completed(batch.next_layer) >= batch.forward
                 ):
-                    self._post_layer(job, batch.pages, batch.next_layer)
                     batch.next_layer += 1
+                if batch.next_layer > first:  # every layer finished since the last pass goes out together
+                    self._post_layers(job, batch.pages, range(first, batch.next_layer))
                     moved = True
                 if batch.next_layer < self.layout.num_layers:
                     break
@@ -292,17 +297,19 @@ class PrefillSide:
         meta_ok = job.meta_posted or not wants_meta
         return job.state is PrefillJobState.DRAINING and not job.pending and meta_ok
 
-    def _post_layer(self, job: _Job, pages: list[int], layer: int) -> None:
+    def _post_layers(self, job: _Job, pages: list[int], layers: range) -> None:
+        """One transfer per decode rank with these pages of these layers (one KV notification each)."""
         ranges: dict[int, list[tuple[int, int, int]]] = {}
-        src_base = self.pools[layer].data_ptr()
-        src_pb = self.layout.page_bytes
-        for i in pages:
-            for d, writes in job.by_page[i].items():
-                ep = self._peers[job.req.decode_ranks[d]]
-                dst_page = job.req.dst_pages[i]
-                for w in writes:
-                    src = src_base + job.src_pages[i] * src_pb + w.src_offset
-                    ranges.setdefault(d, []).append((src, ep.page_addr(layer, dst_page) + w.dst_offset, w.length))
+        src_pb = self._page_bytes
+        for layer in layers:
+            src_base = self.pools[layer].data_ptr()
+            for i in pages:
+                for d, writes in job.by_page[i].items():
+                    dst_addrs, dst_pb = self._peer_pools[job.req.decode_ranks[d]]
+                    dst_page_addr = dst_addrs[layer] + job.req.dst_pages[i] * dst_pb
+                    src_page_addr = src_base + job.src_pages[i] * src_pb
+                    out = ranges.setdefault(d, [])
+                    out += [(src_page_addr + w.src_offset, dst_page_addr + w.dst_offset, w.length) for w in writes]
         for d, rs in ranges.items():
             note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, len(rs))  # planned writes
             job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))

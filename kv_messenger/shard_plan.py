@@ -74,26 +74,26 @@ def plan_writes(
     check_compatible(src, dst)
     writes: list[PageWrite] = []
     expected = [0] * dst.tp_size
+    src_heads = [src.heads_of(s) for s in range(src.tp_size)] if src.kind is AttentionKind.GQA else []
     for d in range(dst.tp_size):
         before = len(writes)
         if src.kind is AttentionKind.MLA:
-            s = (seed + d) % src.tp_size
-            writes += [PageWrite(s, sp, 0, d, dp, 0, src.page_bytes) for sp, dp in page_pairs]
+            s, pb = (seed + d) % src.tp_size, src.page_bytes
+            writes += [PageWrite(s, sp, 0, d, dp, 0, pb) for sp, dp in page_pairs]
         else:
             hb, p = src.head_bytes, src.page_size
+            d_heads = dst.heads_of(d)
             for s, first, count in _head_runs(src, dst, d, seed):
-                s_local = first - src.heads_of(s).start
-                d_local = first - dst.heads_of(d).start
-                s_heads, d_heads = len(src.heads_of(s)), len(dst.heads_of(d))
-                for sp, dp in page_pairs:
-                    if src.layout is KVLayout.HND:  # [head, k/v, token, dim]: one range
-                        writes.append(PageWrite(s, sp, s_local * p * hb, d, dp, d_local * p * hb, count * p * hb))
-                    else:  # [token, head, k/v, dim]: one range per token
-                        writes += [
-                            PageWrite(
-                                s, sp, (t * s_heads + s_local) * hb, d, dp, (t * d_heads + d_local) * hb, count * hb
-                            )
-                            for t in range(p)
-                        ]
+                s_local, d_local = first - src_heads[s].start, first - d_heads.start
+                s_n, d_n = len(src_heads[s]), len(d_heads)
+                if src.layout is KVLayout.HND:  # [head, k/v, token, dim]: one range
+                    so, do, n = s_local * p * hb, d_local * p * hb, count * p * hb
+                    writes += [PageWrite(s, sp, so, d, dp, do, n) for sp, dp in page_pairs]
+                else:  # [token, head, k/v, dim]: one range per token
+                    writes += [
+                        PageWrite(s, sp, (t * s_n + s_local) * hb, d, dp, (t * d_n + d_local) * hb, count * hb)
+                        for sp, dp in page_pairs
+                        for t in range(p)
+                    ]
         expected[d] = len(writes) - before
     return ShardPlan(tuple(writes), tuple(expected))

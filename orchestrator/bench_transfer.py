@@ -3,9 +3,10 @@
 One run, two processes on this machine (the decode side in a child process, NIXL/UCX between):
 
 1. Throughput, for SmolLM2's KV of a ``--tokens`` prompt and for a synthetic 64 MiB KV: the
-   messenger (shard plan, one transfer per layer, notifications, counting, FIN) from submit to
-   the decoder counting the last write; one raw NIXL WRITE of the same bytes (one range per
-   layer pool, one notification); and an in-process ``copy_`` of the same bytes.
+   messenger (shard plan, transfers with notifications, counting) from submit to the decoder
+   counting the last write; one raw NIXL WRITE of the same bytes (one range per layer pool,
+   one notification); and an in-process ``copy_`` of the same bytes. One warm-up transfer each,
+   then ``--repeats`` rounds in alternating order; medians.
 2. Exposed transfer time while the engine really prefills the prompt (chunked): from the end
    of the prefill's last forward pass to the decoder being ready, with layer streaming on
    (each layer's pages leave as soon as the layer finishes) and off (everything leaves after
@@ -130,42 +131,55 @@ def throughput(dec: _Decoder, tag: str, layout: KVLayoutSpec, n_pages: int, repe
     side = _pair(dec, tag, layout, pools, _AllDone(), 0)
     agent = f"{DECODE_AGENT}-{tag}"
     nbytes = n_pages * layout.page_bytes * layout.num_layers
+    remote = _remote_pools(side, agent)
+    dst = [torch.empty_like(p) for p in pools]
+    for d, src in zip(dst, pools, strict=True):
+        d.copy_(src)  # fault the copy's destination in once: measure copies, not page faults
+
+    def messenger_once(rep: int) -> float:
+        rid = f"t{rep}"
+        dec.call("expect", (rid, side.transport.name, n_pages, False))
+        t0 = time.monotonic()
+        side.submit(_request(rid, n_pages * layout.page_size, list(range(n_pages)), agent, False))
+        side.schedule(rid, 1, n_pages * layout.page_size, True, list(range(n_pages)))
+        while not side.completed():
+            if not side.poll_once():
+                time.sleep(side.poll_interval_s)
+        ready, failed = dec.conn.recv()  # type: ignore[misc]
+        if failed:
+            raise RuntimeError(f"messenger transfer failed: {failed}")
+        return nbytes / (ready - t0) / 1e9
+
+    def raw_once() -> float:
+        ranges = [(p.data_ptr(), addr, p.numel()) for p, addr in zip(pools, remote, strict=True)]
+        dec.conn.send(("raw", None))
+        t0 = time.monotonic()
+        handle = side.transport.write(agent, ranges, b"raw")
+        while (state := side.transport.state(handle)) == TransferState.PENDING:
+            pass
+        if state == TransferState.FAILED:
+            raise RuntimeError("the raw NIXL write failed")
+        side.transport.release(handle)
+        return nbytes / (dec.conn.recv() - t0) / 1e9
+
+    def memcpy_once() -> float:
+        t0 = time.monotonic()
+        for d, src in zip(dst, pools, strict=True):
+            d.copy_(src)
+        return nbytes / (time.monotonic() - t0) / 1e9
+
     messenger, raw, memcpy = [], [], []
     try:
-        for rep in range(repeats):
-            rid = f"t{rep}"
-            dec.call("expect", (rid, side.transport.name, n_pages, False))
-            t0 = time.monotonic()
-            side.submit(_request(rid, n_pages * layout.page_size, list(range(n_pages)), agent, False))
-            side.schedule(rid, 1, n_pages * layout.page_size, True, list(range(n_pages)))
-            while not side.completed():
-                if not side.poll_once():
-                    time.sleep(side.poll_interval_s)
-            ready, failed = dec.conn.recv()  # type: ignore[misc]
-            if failed:
-                raise RuntimeError(f"messenger transfer failed: {failed}")
-            messenger.append(nbytes / (ready - t0) / 1e9)
-
-            ranges = [
-                (p.data_ptr(), addr, p.numel()) for p, addr in zip(pools, _remote_pools(side, agent), strict=True)
-            ]
-            dec.conn.send(("raw", None))
-            t0 = time.monotonic()
-            handle = side.transport.write(agent, ranges, b"raw")
-            while (state := side.transport.state(handle)) == TransferState.PENDING:
-                pass
-            if state == TransferState.FAILED:
-                raise RuntimeError("the raw NIXL write failed")
-            side.transport.release(handle)
-            raw.append(nbytes / (dec.conn.recv() - t0) / 1e9)
-
-            dst = [torch.empty_like(p) for p in pools]
-            for d, s in zip(dst, pools, strict=True):
-                d.copy_(s)  # fault the destination pages in first: measure the copy, not the allocation
-            t0 = time.monotonic()
-            for d, s in zip(dst, pools, strict=True):
-                d.copy_(s)
-            memcpy.append(nbytes / (time.monotonic() - t0) / 1e9)
+        messenger_once(-1)  # warm-up: the first transfer over a new connection is slower for both
+        raw_once()
+        for rep in range(repeats):  # alternate the order so that neither always runs on a warm path
+            if rep % 2:
+                raw.append(raw_once())
+                messenger.append(messenger_once(rep))
+            else:
+                messenger.append(messenger_once(rep))
+                raw.append(raw_once())
+            memcpy.append(memcpy_once())
     finally:
         side.transport.close()
         dec.call("close")
