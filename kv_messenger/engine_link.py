@@ -82,6 +82,8 @@ class PrefillLink:
         """One engine step plus the messenger bookkeeping; returns the engine's outputs."""
         outputs = self.engine.step()
         for out in outputs:
+            if out.finish_reason is FinishReason.PREFILLED and out.request_id in self._pinned:
+                self.side.prefill_done(out.request_id)
             if out.finish_reason is FinishReason.PREFILLED and out.request_id in self._wants_meta:
                 req = self.engine.requests[out.request_id]
                 assert req.last_hidden is not None and req.last_logits is not None

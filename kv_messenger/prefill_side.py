@@ -9,8 +9,10 @@ Per request (``PrefillJobState``, ordered):
 Queues: ``jobs`` (request id -> job); per job, ``pending`` batches ``(forward pass, pages)`` in
 step order, and ``inflight`` transfer handles. The engine thread calls ``schedule`` *before* a
 step runs with the pages that the step completes; the messenger thread polls the engine's
-per-layer counter and posts each finished layer's writes of those pages at once (one transfer
-per decode rank, carrying a KV notification with its write count). Pages are sent whole and
+per-layer counter and posts the writes of every layer finished since its last pass at once
+(one transfer per decode rank, carrying a KV notification with its write count; adjacent pages
+coalesced into one range). With ``stream_layers=False`` (the benchmark's baseline) nothing goes
+out until the engine reports the prefill done (``prefill_done``). Pages are sent whole and
 once: a page shared by two chunks is sent after the chunk that fills it (or the last chunk).
 After the last chunk the leader writes the metadata (last hidden state + logits) into the
 decoder's slot. When every write completed, FIN goes to each decode rank this rank wrote to,
@@ -78,6 +80,7 @@ class _Job:
     meta: torch.Tensor | None = None
     meta_posted: bool = False
     staging_slot: int | None = None
+    prefill_done: bool = False  # the engine finished the request's prefill (set by ``prefill_done``)
     error: str | None = None
 
 
@@ -107,7 +110,7 @@ class PrefillSide:
         self.pools = list(pools)
         self.progress = progress
         self.poll_interval_s = poll_interval_s
-        self.stream_layers = stream_layers  # False: send nothing until the whole prefill has run
+        self.stream_layers = stream_layers  # False: send nothing until ``prefill_done`` (a baseline)
         transport.register(self.pools)
         self._staging = torch.zeros(max(meta_slots, 1), max(meta_slot_bytes, 1), dtype=torch.uint8)
         transport.register([self._staging])
@@ -192,6 +195,13 @@ class PrefillSide:
             if raw.numel() > self._staging.shape[1]:
                 raise ValueError(f"metadata of {raw.numel()} bytes exceeds the {self._staging.shape[1]}-byte slot")
             job.meta = raw.clone()
+
+    def prefill_done(self, request_id: str) -> None:
+        """The engine finished this request's prefill (the gate when ``stream_layers`` is off)."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is not None:
+                job.prefill_done = True
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -283,12 +293,8 @@ class PrefillSide:
         return moved or bool(job.inflight)  # keep driving the transport while writes are in flight
 
     def _may_send(self, job: _Job) -> bool:
-        """With layer streaming off, nothing goes out until the request's last forward pass is over."""
-        if self.stream_layers or not job.pending:
-            return True
-        if job.state is not PrefillJobState.DRAINING:
-            return False
-        return self.progress.completed(self.layout.num_layers - 1) >= job.pending[-1].forward
+        """With layer streaming off, nothing goes out until the engine reported the prefill done."""
+        return self.stream_layers or job.prefill_done
 
     def _finished(self, job: _Job) -> bool:
         if job.state in (PrefillJobState.ABORTED, PrefillJobState.FAILED):
