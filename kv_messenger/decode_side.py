@@ -112,9 +112,9 @@ class DecodeSide:
         except (KeyError, IndexError):
             raise ValueError(f"prefill ranks {list(prefill_agents)} are not connected") from None
         rank = self.layout.tp_rank
-        plan = plan_writes(src, self.layout, [(i, i) for i in range(num_pages)], seed)
-        expected = plan.expected[rank] * self.layout.num_layers
-        senders = {prefill_agents[w.src_rank] for w in plan.writes if w.dst_rank == rank}
+        plan = plan_writes(src, self.layout, [(0, 0)], seed)  # every page moves the same slices
+        expected = plan.expected[rank] * num_pages * self.layout.num_layers
+        senders = {prefill_agents[w.src_rank] for w in plan.writes if w.dst_rank == rank} if num_pages else set()
         if meta and rank == 0:
             expected += 1
             senders.add(prefill_agents[0])

@@ -71,7 +71,7 @@ class _Batch:
 class _Job:
     req: PrefillRequest
     src_pages: list[int]  # this rank's pages of the request, token order (grows with the chunks)
-    by_page: list[dict[int, list[PageWrite]]]  # page index -> decode rank -> this rank's writes
+    by_page: list[dict[int, list[PageWrite]]]  # page index -> decode rank -> this rank's page slices
     state: PrefillJobState = PrefillJobState.STREAMING
     pending: deque[_Batch] = field(default_factory=deque)
     queued_pages: int = 0  # pages [0, queued_pages) are in some batch
@@ -152,11 +152,11 @@ class PrefillSide:
         """A prefill request this rank takes part in (its source pages come with each ``schedule``)."""
         n_pages = len(req.dst_pages)
         dst_layout = self._dst_layout(req)
-        plan = plan_writes(self.layout, dst_layout, list(enumerate(range(n_pages))), req.seed)
-        by_page: list[dict[int, list[PageWrite]]] = [{} for _ in range(n_pages)]
-        for w in plan.for_source(self.layout.tp_rank):
-            by_page[w.src_page].setdefault(w.dst_rank, []).append(w)
-        job = _Job(req, [], by_page)
+        # every page moves the same slices, so the plan of one page is the template of all
+        template: dict[int, list[PageWrite]] = {}
+        for w in plan_writes(self.layout, dst_layout, [(0, 0)], req.seed).for_source(self.layout.tp_rank):
+            template.setdefault(w.dst_rank, []).append(w)
+        job = _Job(req, [], [template] * n_pages)
         with self._lock:
             old = self._jobs.get(req.request_id)
             if old is not None and old.state < PrefillJobState.DONE:

@@ -287,7 +287,7 @@ def run_transfer_bench(a: argparse.Namespace, engine_dir_of: Callable[[argparse.
         print(
             f"exposed transfer after a {a.tokens}-token prefill ({on['prefill_s']:.1f} s): "
             f"streaming {on['exposed_ms']:.1f} ms, "
-            f"not streamed {off['exposed_ms']:.1f} ms (x{on['exposed_ms'] / off['exposed_ms']:.2f})"
+            f"not streamed {off['exposed_ms']:.1f} ms (x{results['exposed']['streamed_over_not']:.2f})"
         )
         worst = min(results[n]["messenger_over_raw"] for n in cases)  # type: ignore[index]
         results["goals_met"] = {

@@ -93,3 +93,34 @@ def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     finally:
         pside.stop()
     assert len(decode.requests["next"].output_ids) == 3
+
+
+def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None:
+    prefill, decode, plink, dlink, pside = linked("llama", tiny_engine_dir, MemoryFabric())
+    dlink.timeout_s = 0.5
+    pside.transport.faults.drop_next = 1  # the first KV transfer is lost
+    plink.submit(dlink.start(prompt_of(25, 3), SamplingParams(max_tokens=4), "victim"))
+    healthy_prompt = prompt_of(10, 4)
+    pside.start()
+    try:
+        deadline = time.monotonic() + 10
+        failed: list[tuple[str, str]] = []
+        while not failed and time.monotonic() < deadline:
+            plink.step()
+            failed = dlink.poll()
+            decode.step()
+        assert failed and failed[0][0] == "victim" and "timed out" in failed[0][1]
+        assert decode.requests["victim"].error == failed[0][1]
+        while decode.page_stats().used and time.monotonic() < deadline:  # FIN came: pages are reclaimable
+            dlink.poll()
+        assert decode.page_stats().used == 0
+        plink.submit(dlink.start(healthy_prompt, SamplingParams(max_tokens=5), "after"))
+        while not (decode.requests.get("after") and decode.requests["after"].finished):
+            plink.step()
+            dlink.poll()
+            decode.step()
+    finally:
+        pside.stop()
+    plain = tiny_engine(tiny_engine_dir("llama")).generate([healthy_prompt], SamplingParams(max_tokens=5))[0]
+    assert decode.requests["after"].output_ids == plain
+    assert prefill.page_stats().used == 0
