@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kv_messenger.layout import KVLayoutSpec, check_compatible
@@ -41,15 +42,15 @@ class ProgressSource(Protocol):
     def completed(self, layer: int) -> int: ...
 
 
-def _coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Merge writes that continue each other on both sides (adjacent pages here and there)."""
-    out: list[tuple[int, int, int]] = []
-    for src, dst, n in ranges:
-        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((src, dst, n))
-    return out
+def _coalesce(ranges: np.ndarray) -> np.ndarray:
+    """Merge writes (rows of ``[src, dst, length]``) that continue each other on both sides."""
+    if len(ranges) < 2:
+        return ranges
+    src, dst, n = ranges[:, 0], ranges[:, 1], ranges[:, 2]
+    joins = (src[:-1] + n[:-1] == src[1:]) & (dst[:-1] + n[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(n, starts)
+    return np.stack([src[starts], dst[starts], lengths], axis=1)
 
 
 class PrefillJobState(enum.IntEnum):
@@ -71,7 +72,8 @@ class _Batch:
 class _Job:
     req: PrefillRequest
     src_pages: list[int]  # this rank's pages of the request, token order (grows with the chunks)
-    by_page: list[dict[int, list[PageWrite]]]  # page index -> decode rank -> this rank's page slices
+    slices: dict[int, list[PageWrite]]  # decode rank -> this rank's slices of every page (same for all pages)
+    n_pages: int
     state: PrefillJobState = PrefillJobState.STREAMING
     pending: deque[_Batch] = field(default_factory=deque)
     queued_pages: int = 0  # pages [0, queued_pages) are in some batch
@@ -156,7 +158,7 @@ class PrefillSide:
         template: dict[int, list[PageWrite]] = {}
         for w in plan_writes(self.layout, dst_layout, [(0, 0)], req.seed).for_source(self.layout.tp_rank):
             template.setdefault(w.dst_rank, []).append(w)
-        job = _Job(req, [], [template] * n_pages)
+        job = _Job(req, [], template, n_pages)
         with self._lock:
             old = self._jobs.get(req.request_id)
             if old is not None and old.state < PrefillJobState.DONE:
@@ -172,7 +174,7 @@ class PrefillSide:
             job = self._jobs[request_id]
             if job.state is not PrefillJobState.STREAMING:
                 return
-            p, n = self.layout.page_size, len(job.by_page)
+            p, n = self.layout.page_size, job.n_pages
             needed = min(-(-tokens_done // p), n)
             if len(src_pages) < needed:
                 raise ValueError(
@@ -305,23 +307,27 @@ class PrefillSide:
 
     def _post_layers(self, job: _Job, pages: list[int], layers: range) -> None:
         """One transfer per decode rank with these pages of these layers (one KV notification each)."""
-        ranges: dict[int, list[tuple[int, int, int]]] = {}
-        src_pb = self._page_bytes
-        for layer in layers:
-            src_base = self.pools[layer].data_ptr()
-            for i in pages:
-                for d, writes in job.by_page[i].items():
-                    dst_addrs, dst_pb = self._peer_pools[job.req.decode_ranks[d]]
-                    dst_page_addr = dst_addrs[layer] + job.req.dst_pages[i] * dst_pb
-                    src_page_addr = src_base + job.src_pages[i] * src_pb
-                    out = ranges.setdefault(d, [])
-                    out += [(src_page_addr + w.src_offset, dst_page_addr + w.dst_offset, w.length) for w in writes]
+        src_pages = np.asarray([job.src_pages[i] for i in pages], dtype=np.uint64)
+        dst_pages = np.asarray([job.req.dst_pages[i] for i in pages], dtype=np.uint64)
+        ranges: dict[int, np.ndarray] = {}
+        counts: dict[int, int] = {}
+        for d, slices in job.slices.items():
+            dst_addrs, dst_pb = self._peer_pools[job.req.decode_ranks[d]]
+            parts = []
+            for layer in layers:
+                src_base = self.pools[layer].data_ptr() + src_pages * self._page_bytes
+                dst_base = dst_addrs[layer] + dst_pages * dst_pb
+                for w in slices:
+                    n = np.full(len(pages), w.length, dtype=np.uint64)
+                    parts.append(np.stack([src_base + w.src_offset, dst_base + w.dst_offset, n], axis=1))
+            ranges[d] = np.concatenate(parts)
+            counts[d] = len(ranges[d])
         for d, rs in ranges.items():
-            note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, len(rs))  # planned writes
+            note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, counts[d])  # planned writes
             job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))
-            job.posted[d] = job.posted.get(d, 0) + len(rs)
-            self.writes_posted += len(rs)
-            self.bytes_posted += sum(r[2] for r in rs)
+            job.posted[d] = job.posted.get(d, 0) + counts[d]
+            self.writes_posted += counts[d]
+            self.bytes_posted += int(rs[:, 2].sum())
 
     def _post_meta(self, job: _Job) -> None:
         job.meta_posted = True
@@ -342,7 +348,7 @@ class PrefillSide:
 
     def _close(self, job: _Job) -> None:
         kind = NotifKind.FIN if job.state is PrefillJobState.DRAINING else NotifKind.ABORTED
-        targets = {d for page in job.by_page for d in page} | set(job.posted)
+        targets = set(job.slices) | set(job.posted)
         for d in sorted(targets):
             note = Notification(kind, job.req.request_id, job.req.epoch, job.posted.get(d, 0))
             self.transport.send_notif(job.req.decode_ranks[d], note.encode())

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -24,6 +25,7 @@ class TransferState(enum.IntEnum):
 
 
 Range = tuple[int, int, int]  # (local address, remote address, length in bytes)
+Ranges = list[Range] | np.ndarray  # or an ``[N, 3]`` uint64 array of the same
 
 
 @dataclass(slots=True)
@@ -54,7 +56,7 @@ class Transport(Protocol):
 
     def add_peer(self, name: str, metadata: bytes) -> None: ...
 
-    def write(self, peer: str, ranges: list[Range], notif: bytes) -> object: ...
+    def write(self, peer: str, ranges: Ranges, notif: bytes) -> object: ...
 
     def state(self, handle: object) -> TransferState: ...
 

@@ -8,7 +8,7 @@ from collections import deque
 
 import torch
 
-from kv_messenger.transport.base import FaultInjector, Range, TransferState
+from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
 
 
 class MemoryFabric:
@@ -54,13 +54,14 @@ class MemoryTransport:
         if not any(lo <= addr and addr + length <= hi for lo, hi in regions):
             raise ValueError(f"range {addr:#x}+{length} is outside {who}'s registered memory")
 
-    def write(self, peer: str, ranges: list[Range], notif: bytes) -> TransferState:
+    def write(self, peer: str, ranges: Ranges, notif: bytes) -> TransferState:
         if peer not in self._peers:
             raise ValueError(f"{peer!r} is not a connected peer of {self.name!r}")
         if self.faults.should_drop():
             return TransferState.DONE
         remote = self.fabric.agents[peer]
-        for src, dst, n in ranges:
+        for row in ranges:
+            src, dst, n = (int(x) for x in row)
             self._check(self._regions, src, n, self.name)
             self._check(remote._regions, dst, n, peer)
             ctypes.memmove(dst, src, n)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kv_messenger.transport.base import FaultInjector, Range, TransferState
+from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
 
 BACKENDS = ("UCX", "LIBFABRIC")
 
@@ -47,7 +47,7 @@ class NixlTransport:
     def _descs(self, pairs: np.ndarray) -> object:
         return self._agent.get_xfer_descs(pairs, self._mem_type)
 
-    def write(self, peer: str, ranges: list[Range], notif: bytes) -> object:
+    def write(self, peer: str, ranges: Ranges, notif: bytes) -> object:
         if self.faults.should_drop():
             return self._done
         arr = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
