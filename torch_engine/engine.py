@@ -23,6 +23,7 @@ from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.model_runner import ModelRunner
 from torch_engine.models import build_model, cache_spec
+from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import InvalidRequestError, SamplerState, SamplingParams, sample
@@ -45,7 +46,7 @@ class PrefillResult:
     last_logits: torch.Tensor | None
 
 
-def load_weights(manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device) -> torch.nn.Module:
+def load_weights(manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device) -> CausalLM:
     path = config.engine_dir / f"rank{tp.rank}.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{config.engine_dir} has no weights for TP rank {tp.rank} ({path.name})")

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from torch_engine.attention import AttentionMetadata, PrefillSegment, context_mask
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import RotaryTable
+from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
 from torch_engine.scheduler import SchedulerOutput
 
@@ -40,7 +40,7 @@ def _page_table(rows: list[list[int]]) -> torch.Tensor:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         kv: PagedKVCache,
         progress: LayerProgress,
         tp: TPGroup,
@@ -54,8 +54,8 @@ class ModelRunner:
         self.device = device
         self.page_size = kv.spec.page_size
         self.dtype = kv.spec.dtype
-        cfg = model.cfg  # type: ignore[attr-defined]
-        self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)  # type: ignore[attr-defined]
+        cfg = model.cfg
+        self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -115,11 +115,11 @@ class ModelRunner:
     def execute(self, s: StepInputs) -> torch.Tensor:
         """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
         h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)
-        return self.model.norm(h[s.output_rows.to(self.device)])  # type: ignore[operator]
+        return self.model.norm(h[s.output_rows.to(self.device)])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()  # type: ignore[operator]
+        return self.model.lm_head(hidden).float()
 
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """Leader: broadcast the step to the followers, run it, return the output rows' hidden states."""

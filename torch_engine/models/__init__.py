@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from torch_engine.config import KVLayout, ModelConfig
 from torch_engine.kv_cache import KVCacheSpec
-from torch_engine.models.deepseek import DeepseekModel
-from torch_engine.models.llama import LlamaModel, local_kv_heads
+from torch_engine.models.decoder import CausalLM
+from torch_engine.models.deepseek import deepseek_model
+from torch_engine.models.llama import llama_model, local_kv_heads
 from torch_engine.parallel import TPGroup
 
 
-def build_model(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
-    return DeepseekModel(cfg, tp) if cfg.is_mla else LlamaModel(cfg, tp)
+def build_model(cfg: ModelConfig, tp: TPGroup) -> CausalLM:
+    return deepseek_model(cfg, tp) if cfg.is_mla else llama_model(cfg, tp)
 
 
 def cache_spec(

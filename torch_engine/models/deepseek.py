@@ -15,8 +15,8 @@ from torch import nn
 from torch_engine.attention import AttentionMetadata, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
-from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import GatedMLP, RMSNorm, apply_rope, mla_softmax_scale
+from torch_engine.models.decoder import CausalLM, DecoderLayer
 from torch_engine.parallel import TPGroup
 
 
@@ -114,45 +114,9 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class DeepseekLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLAttention(cfg, tp)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(cfg, tp) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
-        )
+def deepseek_model(cfg: ModelConfig, tp: TPGroup) -> CausalLM:
+    def layer(i: int) -> DecoderLayer:
+        dense = GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp) if not cfg.is_moe_layer(i) else None
+        return DecoderLayer(cfg, MLAttention(cfg, tp), dense or MoE(cfg, tp))
 
-    def forward(
-        self, h: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int, progress: LayerProgress
-    ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), meta, kv, layer)
-        progress.bump(layer)
-        return h + self.mlp(self.mlp_norm(h))
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
-        super().__init__()
-        if cfg.num_heads % tp.size:
-            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp.size}")
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DeepseekLayer(cfg, tp, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.cfg.qk_rope_head_dim
-
-    def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, progress: LayerProgress
-    ) -> torch.Tensor:
-        h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, meta, kv, i, progress)
-        return h
+    return CausalLM(cfg, layer, cfg.qk_rope_head_dim, tp.size)

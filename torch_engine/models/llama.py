@@ -12,8 +12,8 @@ from torch import nn
 from torch_engine.attention import AttentionMetadata, decode_attention, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
-from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import GatedMLP, RMSNorm, apply_rope
+from torch_engine.models.decoder import CausalLM, DecoderLayer
 from torch_engine.parallel import TPGroup
 
 
@@ -55,44 +55,10 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o(out.reshape(t, -1)))
 
 
-class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = LlamaAttention(cfg, tp)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
+def llama_model(cfg: ModelConfig, tp: TPGroup) -> CausalLM:
+    def layer(_: int) -> DecoderLayer:
+        return DecoderLayer(
+            cfg, LlamaAttention(cfg, tp), GatedMLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
+        )
 
-    def forward(
-        self, h: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int, progress: LayerProgress
-    ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), meta, kv, layer)
-        progress.bump(layer)
-        return h + self.mlp(self.mlp_norm(h))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
-        super().__init__()
-        if cfg.num_heads % tp.size:
-            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp.size}")
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaLayer(cfg, tp) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.cfg.head_dim
-
-    def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, progress: LayerProgress
-    ) -> torch.Tensor:
-        """Hidden states of every row after the last layer (before the final norm)."""
-        h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, meta, kv, i, progress)
-        return h
+    return CausalLM(cfg, layer, cfg.head_dim, tp.size)

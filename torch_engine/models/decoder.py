@@ -1,0 +1,56 @@
+"""The decoder skeleton every family shares: embeddings, pre-norm layers, final norm, lm_head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torch_engine.attention import AttentionMetadata
+from torch_engine.config import ModelConfig
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """``h + attn(norm(h))``, bump the layer's progress counter (its KV is written), ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = attn
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int, progress: LayerProgress
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), meta, kv, layer)
+        progress.bump(layer)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: Callable[[int], DecoderLayer], rotary_dim: int, tp_size: int) -> None:
+        super().__init__()
+        if cfg.num_heads % tp_size:
+            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp_size}")
+        self.cfg = cfg
+        self.rotary_dim = rotary_dim
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([layer(i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, progress: LayerProgress
+    ) -> torch.Tensor:
+        """Hidden states of every row after the last layer (before the final norm)."""
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, kv, i, progress)
+        return h
