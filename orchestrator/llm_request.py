@@ -1,0 +1,109 @@
+"""The ``llm`` model's inputs (TensorRT-LLM ensemble names) -> a typed request. No Triton import.
+
+Inputs: ``text_input`` (required), ``max_tokens``, ``stream``, ``temperature``, ``top_k``,
+``top_p``, ``random_seed``, ``stop_words``, ``end_id``, ``beam_width``, ``chat`` (ours: apply
+the chat template), ``request_id`` (optional). Every problem is an ``InvalidRequestError``
+naming the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+_KINDS = {
+    "max_tokens": "i",
+    "temperature": "f",
+    "top_k": "i",
+    "top_p": "f",
+    "random_seed": "u",
+    "end_id": "i",
+    "beam_width": "i",
+    "stream": "b",
+    "chat": "b",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LLMRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    chat: bool
+    request_id: str | None
+
+
+def _scalar(get: Getter, name: str) -> object | None:
+    arr = get(name)
+    if arr is None:
+        return None
+    kind = _KINDS[name]
+    if arr.size != 1:
+        raise InvalidRequestError(f"input {name} must hold exactly one value, got shape {list(arr.shape)}")
+    if kind == "b" and arr.dtype != np.bool_:
+        raise InvalidRequestError(f"input {name} must be BOOL, got {arr.dtype}")
+    if kind in "iu" and arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"input {name} must be an integer, got {arr.dtype}")
+    if kind == "f" and arr.dtype.kind != "f":
+        raise InvalidRequestError(f"input {name} must be floating point, got {arr.dtype}")
+    value = arr.reshape(-1)[0].item()
+    return bool(value) if kind == "b" else value
+
+
+def _text(raw: object, name: str) -> str:
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"input {name} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    if isinstance(raw, str):
+        return raw
+    raise InvalidRequestError(f"input {name} must be BYTES (a string)")
+
+
+def parse_request(get: Getter, max_tokens_limit: int) -> LLMRequest:
+    arr = get("text_input")
+    if arr is None:
+        raise InvalidRequestError("input text_input is missing")
+    if arr.size != 1:
+        raise InvalidRequestError(f"input text_input must hold exactly one string, got shape {list(arr.shape)}")
+    prompt = _text(arr.reshape(-1)[0], "text_input")
+    if not prompt.strip():
+        raise InvalidRequestError("input text_input is empty")
+    max_tokens = _scalar(get, "max_tokens")
+    if max_tokens is not None and not 0 < int(max_tokens) <= max_tokens_limit:  # type: ignore[call-overload]
+        raise InvalidRequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    beam = _scalar(get, "beam_width")
+    if beam is not None and beam != 1:
+        raise InvalidRequestError(f"beam_width {beam} is not supported (only 1)")
+    stops = get("stop_words")
+    stop = tuple(_text(s, "stop_words") for s in stops.reshape(-1)) if stops is not None else ()
+    end_id = _scalar(get, "end_id")
+    temperature = _scalar(get, "temperature")
+    top_k = _scalar(get, "top_k")
+    top_p = _scalar(get, "top_p")
+    seed = _scalar(get, "random_seed")
+    params = SamplingParams(
+        max_tokens=int(max_tokens) if max_tokens is not None else 64,  # type: ignore[call-overload]
+        temperature=float(temperature) if temperature is not None else 0.0,  # type: ignore[arg-type]
+        top_k=int(top_k) if top_k is not None else 0,  # type: ignore[call-overload]
+        top_p=float(top_p) if top_p is not None else 1.0,  # type: ignore[arg-type]
+        seed=int(seed) if seed is not None else None,  # type: ignore[call-overload]
+        stop_token_ids=(int(end_id),) if end_id is not None else (),  # type: ignore[call-overload]
+        stop=tuple(s for s in stop if s),
+    )
+    params.validate()
+    rid = get("request_id")
+    return LLMRequest(
+        prompt=prompt,
+        params=params,
+        stream=bool(_scalar(get, "stream") or False),
+        chat=bool(_scalar(get, "chat") or False),
+        request_id=_text(rid.reshape(-1)[0], "request_id") if rid is not None and rid.size else None,
+    )

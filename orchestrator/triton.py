@@ -1,0 +1,206 @@
+"""Find, provision, start and stop a ``tritonserver`` (the binary from the ``nvidia-pytriton`` wheel).
+
+``backend_dir`` assembles what Triton's ``--backend-directory`` needs: ``python/`` (Triton's
+Python backend and the 3.11 stub) and ``disagg_backend/`` (our Python-based backend, a copy of
+``backends/disagg_backend/``). ``TritonServer`` starts the binary bound to 127.0.0.1 by default,
+with the environment the stub needs (the venv's ``python3`` first on ``PATH``, the wheel's
+libraries and the interpreter's ``lib/`` on ``LD_LIBRARY_PATH``), waits for readiness, and
+stops it. A missing binary, a port in use, or a server that exits early are clear errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NODE_CONFIG_ENV = "DISAGG_NODE_CONFIG"  # the one variable the backend reads: the node config file
+
+
+class TritonError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class TritonInstall:
+    binary: Path
+    libs: Path
+    python_backend: Path
+    stub: Path
+
+    @classmethod
+    def find(cls) -> TritonInstall:
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or spec.origin is None:
+            raise TritonError(
+                "tritonserver is not installed: pip install nvidia-pytriton==0.7.0 (make setup does this)"
+            )
+        root = Path(spec.origin).parent / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        install = cls(
+            binary=root / "bin" / "tritonserver",
+            libs=root.parent.parent / "nvidia_pytriton.libs",
+            python_backend=root / "backends" / "python",
+            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        )
+        for path in (install.binary, install.libs, install.python_backend, install.stub):
+            if not path.exists():
+                raise TritonError(f"the nvidia-pytriton install is incomplete: {path} is missing")
+        return install
+
+
+def backend_dir(install: TritonInstall, dest: Path) -> Path:
+    """Assemble ``dest/python`` and ``dest/disagg_backend``; returns ``dest``."""
+    python = dest / "python"
+    shutil.rmtree(python, ignore_errors=True)
+    shutil.copytree(install.python_backend, python, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(install.stub, python / "triton_python_backend_stub")
+    ours = dest / "disagg_backend"
+    shutil.rmtree(ours, ignore_errors=True)
+    shutil.copytree(REPO_ROOT / "backends" / "disagg_backend", ours, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls, host: str = "127.0.0.1") -> Ports:
+        return cls(free_port(host), free_port(host), free_port(host))
+
+
+class TritonServer:
+    def __init__(
+        self,
+        model_repo: Path,
+        run_dir: Path,
+        node_config: Path,
+        ports: Ports = Ports(),
+        host: str = "127.0.0.1",
+        install: TritonInstall | None = None,
+    ) -> None:
+        self.install = install or TritonInstall.find()
+        self.model_repo = Path(model_repo)
+        self.run_dir = Path(run_dir)
+        self.node_config = Path(node_config)
+        self.ports = ports
+        self.host = host
+        self.log_path = self.run_dir / "tritonserver.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    def command(self, backends: Path) -> list[str]:
+        return [
+            str(self.install.binary),
+            f"--model-repository={self.model_repo}",
+            f"--backend-directory={backends}",
+            f"--http-address={self.host}",
+            f"--http-port={self.ports.http}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.ports.grpc}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.ports.metrics}",
+            "--allow-metrics=true",
+            "--log-verbose=0",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(self.install.libs), libdir, env.get("LD_LIBRARY_PATH")) if p
+        )
+        env[NODE_CONFIG_ENV] = str(self.node_config)
+        env.pop("PYTHONPATH", None)
+        return env
+
+    def start(self, timeout_s: float = 120.0) -> TritonServer:
+        for name, port in (("http", self.ports.http), ("grpc", self.ports.grpc), ("metrics", self.ports.metrics)):
+            if not port_free(self.host, port):
+                raise TritonError(f"{name} port {self.host}:{port} is already in use")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        backends = backend_dir(self.install, self.run_dir / "backends")
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.command(backends), stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TritonError(f"tritonserver exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise TritonError(f"tritonserver was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,158 @@
+"""End to end through a real tritonserver on 127.0.0.1: HTTP generate, HTTP SSE, gRPC streaming, bad input."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from orchestrator.triton import Ports, TritonError, TritonInstall, TritonServer
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    run = tmp_path_factory.mktemp("triton")
+    node = run / "node.yaml"
+    node.write_text(
+        f"engine_dir: {smollm2_dir}\nnum_pages: 256\nnum_threads: 2\nmax_tokens_limit: 64\n", encoding="utf-8"
+    )
+    srv = TritonServer(ROOT / "model_repo", run / "run", node, Ports.free())
+    srv.start()
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path) -> str:
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=64))
+    ids = engine.generate([PROMPT], SamplingParams(max_tokens=12))[0]
+    return engine.tokenizer.decode(ids)
+
+
+def http_generate(srv: TritonServer, body: dict, stream: bool = False) -> tuple[int, str]:
+    path = "generate_stream" if stream else "generate"
+    req = urllib.request.Request(
+        f"http://{srv.http_url}/v2/models/llm/{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def grpc_stream(srv: TritonServer, inputs: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
+    """(text pieces, errors) of one streamed request."""
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    tensors = []
+    for name, arr in inputs.items():
+        dtype = (
+            "BYTES"
+            if arr.dtype == np.object_
+            else {"int32": "INT32", "float32": "FP32", "bool": "BOOL", "uint64": "UINT64"}[str(arr.dtype)]
+        )
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    client.async_stream_infer("llm", tensors, enable_empty_final_response=True)
+    pieces, errors = [], []
+    while True:
+        result, error = results.get(timeout=120)
+        if error is not None:
+            errors.append(str(error))
+            break
+        out = result.as_numpy("text_output")
+        if out is not None:
+            pieces += [x.decode() for x in out.reshape(-1)]
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return pieces, errors
+
+
+def test_http_generate_equals_engine(server: TritonServer, reference: str) -> None:
+    status, body = http_generate(server, {"text_input": PROMPT, "max_tokens": 12})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == reference
+
+
+def test_http_sse_stream_equals_engine(server: TritonServer, reference: str) -> None:
+    status, body = http_generate(server, {"text_input": PROMPT, "max_tokens": 12, "stream": True}, stream=True)
+    assert status == 200, body
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1  # really streamed
+    assert "".join(e["text_output"] for e in events) == reference
+
+
+def test_grpc_stream_equals_engine(server: TritonServer, reference: str) -> None:
+    pieces, errors = grpc_stream(
+        server,
+        {
+            "text_input": np.array([PROMPT.encode()], dtype=np.object_),
+            "max_tokens": np.array([12], dtype=np.int32),
+            "stream": np.array([True]),
+        },
+    )
+    assert not errors
+    assert len(pieces) > 1 and "".join(pieces) == reference
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"max_tokens": 4}, "input text_input is missing"),
+        ({"text_input": "   ", "max_tokens": 4}, "input text_input is empty"),
+        ({"text_input": "hi", "max_tokens": 0}, r"max_tokens must be in \[1, 64\], got 0"),
+        ({"text_input": "hi", "max_tokens": 65}, r"max_tokens must be in \[1, 64\], got 65"),
+        ({"text_input": "hi", "max_tokens": 4, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
+        ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width 2 is not supported"),
+        ({"text_input": "hi " * 9000, "max_tokens": 4}, "the context holds 8192"),
+    ],
+)
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(
+    server: TritonServer, reference: str, body, match
+) -> None:
+    import re
+
+    status, text = http_generate(server, body)
+    assert status == 400, text
+    assert re.search(match, json.loads(text)["error"]), text
+    status, text = http_generate(server, {"text_input": PROMPT, "max_tokens": 12})
+    assert status == 200 and json.loads(text)["text_output"] == reference
+
+
+def test_wrong_dtype_and_invalid_utf8_over_grpc(server: TritonServer) -> None:
+    _, errors = grpc_stream(
+        server, {"text_input": np.array([b"hi"], dtype=np.object_), "max_tokens": np.array([4.0], dtype=np.float32)}
+    )
+    assert errors and "max_tokens" in errors[0]
+    _, errors = grpc_stream(server, {"text_input": np.array([b"\xff\xfe broken"], dtype=np.object_)})
+    assert errors and "not valid UTF-8" in errors[0]
+
+
+def test_port_in_use_and_missing_binary(server: TritonServer, tmp_path: Path) -> None:
+    busy = Ports(server.ports.http, server.ports.grpc + 0, server.ports.metrics)
+    with pytest.raises(TritonError, match=r"http port 127\.0\.0\.1:\d+ is already in use"):
+        TritonServer(ROOT / "model_repo", tmp_path / "x", tmp_path / "node.yaml", busy).start()
+    install = TritonInstall.find()
+    broken = TritonInstall(tmp_path / "nope", install.libs, install.python_backend, install.stub)
+    with pytest.raises((TritonError, FileNotFoundError)):
+        TritonServer(ROOT / "model_repo", tmp_path / "y", tmp_path / "node.yaml", Ports.free(), install=broken).start()
