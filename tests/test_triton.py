@@ -156,3 +156,48 @@ def test_port_in_use_and_missing_binary(server: TritonServer, tmp_path: Path) ->
     broken = TritonInstall(tmp_path / "nope", install.libs, install.python_backend, install.stub)
     with pytest.raises((TritonError, FileNotFoundError)):
         TritonServer(ROOT / "model_repo", tmp_path / "y", tmp_path / "node.yaml", Ports.free(), install=broken).start()
+
+
+def metric(srv: TritonServer, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://{srv.host}:{srv.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} {labels} not found")
+
+
+def test_metrics_are_published(server: TritonServer) -> None:
+    assert http_generate(server, {"text_input": PROMPT, "max_tokens": 5})[0] == 200
+    assert metric(server, "disagg_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "disagg_inter_token_latency_seconds_count") >= 4
+    assert metric(server, "disagg_generation_tokens_total") >= 5
+    assert metric(server, "disagg_prompt_tokens_total") >= 5
+    assert metric(server, "disagg_kv_pages", 'state="used"') == 0  # everything finished: pages back
+    assert metric(server, "disagg_kv_pages", 'state="free"') == 256
+    assert metric(server, "disagg_queue_depth", 'queue="running"') == 0
+
+
+def test_client_cancel_aborts_and_frees_pages(server: TritonServer) -> None:
+    import time
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Write a long story about a dragon."], dtype=np.object_))
+    n = grpcclient.InferInput("max_tokens", [1], "INT32")
+    n.set_data_from_numpy(np.array([64], dtype=np.int32))
+    s = grpcclient.InferInput("stream", [1], "BOOL")
+    s.set_data_from_numpy(np.array([True]))
+    client.async_stream_infer("llm", [text, n, s])
+    got.get(timeout=120)  # the first token arrived: the request holds pages now
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while metric(server, "disagg_kv_pages", 'state="used"') != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "disagg_kv_pages", 'state="used"') == 0
+    assert metric(server, "disagg_queue_depth", 'queue="running"') == 0
+    status, _ = http_generate(server, {"text_input": PROMPT, "max_tokens": 4})
+    assert status == 200

@@ -314,4 +314,6 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(req, RequestState.FINISHED, reason)
-        return RequestOutput(req.request_id, [token], list(req.output_ids), reason is not None, reason, None, delta)
+        return RequestOutput(
+            req.request_id, [token], list(req.output_ids), reason is not None, reason, None, delta, len(req.prompt_ids)
+        )

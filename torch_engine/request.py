@@ -98,3 +98,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""
+    prompt_tokens: int = 0

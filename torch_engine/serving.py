@@ -7,17 +7,22 @@ request's callback. A request the engine refuses gets its error through the same
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch_engine.engine import LLMEngine
+from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.tokenizer import IncrementalDetokenizer
 
+log = logging.getLogger(__name__)
+
 Callback = Callable[[RequestOutput], None]
+StepHook = Callable[[PageStats, int, int], None]  # (pages, waiting requests, running requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +35,9 @@ class _Submit:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.005) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.005, on_step: StepHook | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
@@ -56,11 +62,14 @@ class EngineLoop:
         if isinstance(item, str):
             if self.engine.abort(item):
                 self._finish(item, RequestOutput(item, [], [], True, FinishReason.ABORT))
+                if self.on_step is not None:
+                    sched = self.engine.scheduler
+                    self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
             return
         try:
             self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
         except InvalidRequestError as exc:
-            item.callback(RequestOutput(item.request_id, [], [], True, FinishReason.ERROR, str(exc)))
+            self._call(item.callback, RequestOutput(item.request_id, [], [], True, FinishReason.ERROR, str(exc)))
             return
         self._callbacks[item.request_id] = item.callback
         if self.engine.tokenizer is not None:
@@ -77,15 +86,16 @@ class EngineLoop:
                 pass
             if not self.engine.has_unfinished():
                 continue
-            for out in self.engine.step():
-                text = self._text_delta(out)
-                delta = RequestOutput(
-                    out.request_id, out.new_token_ids, out.output_ids, out.finished, out.finish_reason, out.error, text
-                )
+            outputs = self.engine.step()
+            for out in outputs:
+                delta = replace(out, text=self._text_delta(out))
                 if out.finished:
                     self._finish(out.request_id, delta)
                 else:
-                    self._callbacks[out.request_id](delta)
+                    self._call(self._callbacks[out.request_id], delta)
+            if self.on_step is not None:
+                sched = self.engine.scheduler
+                self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
 
     def _text_delta(self, out: RequestOutput) -> str:
         """New text of this output; never splits a UTF-8 character; a matched stop string is cut."""
@@ -103,4 +113,16 @@ class EngineLoop:
         self._detok.pop(request_id, None)
         self.engine.requests.pop(request_id, None)
         if callback is not None:
+            self._call(callback, out)
+
+    def _call(self, callback: Callback, out: RequestOutput) -> None:
+        """A failing callback (a client that went away mid-send) must not stop the loop for everyone."""
+        try:
             callback(out)
+        except Exception:
+            log.exception("delivering output of request %s failed; aborting it", out.request_id)
+            if not out.finished:
+                self.engine.abort(out.request_id)
+                self._callbacks.pop(out.request_id, None)
+                self._detok.pop(out.request_id, None)
+                self.engine.requests.pop(out.request_id, None)
