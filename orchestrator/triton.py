@@ -204,3 +204,19 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def perf_analyzer_env(install: TritonInstall, link_dir: Path) -> dict[str, str]:
+    """Environment in which the ``perf_analyzer`` of the ``tritonclient`` wheel runs: it needs
+    ``libb64.so.0d`` and ``libcudart.so.12``, which ``nvidia_pytriton.libs`` ships under hashed names."""
+    link_dir.mkdir(parents=True, exist_ok=True)
+    for soname, prefix in (("libb64.so.0d", "libb64-"), ("libcudart.so.12", "libcudart-")):
+        found = sorted(install.libs.glob(prefix + "*"))
+        if not found:
+            raise TritonError(f"{install.libs} has no {soname} for perf_analyzer")
+        link = link_dir / soname
+        if not link.exists():
+            link.symlink_to(found[0])
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(link_dir), env.get("LD_LIBRARY_PATH")) if p)
+    return env

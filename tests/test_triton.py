@@ -139,13 +139,15 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(
     assert status == 200 and json.loads(text)["text_output"] == reference
 
 
-def test_wrong_dtype_and_invalid_utf8_over_grpc(server: TritonServer) -> None:
+def test_wrong_dtype_shape_and_invalid_utf8_over_grpc(server: TritonServer) -> None:
     _, errors = grpc_stream(
         server, {"text_input": np.array([b"hi"], dtype=np.object_), "max_tokens": np.array([4.0], dtype=np.float32)}
     )
     assert errors and "max_tokens" in errors[0]
     _, errors = grpc_stream(server, {"text_input": np.array([b"\xff\xfe broken"], dtype=np.object_)})
     assert errors and "not valid UTF-8" in errors[0]
+    _, errors = grpc_stream(server, {"text_input": np.array([b"one", b"two"], dtype=np.object_)})  # wrong shape
+    assert errors and "text_input" in errors[0]
 
 
 def test_port_in_use_and_missing_binary(server: TritonServer, tmp_path: Path) -> None:
@@ -201,3 +203,20 @@ def test_client_cancel_aborts_and_frees_pages(server: TritonServer) -> None:
     assert metric(server, "disagg_queue_depth", 'queue="running"') == 0
     status, _ = http_generate(server, {"text_input": PROMPT, "max_tokens": 4})
     assert status == 200
+
+
+def test_perf_analyzer_streaming_run(server: TritonServer, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from orchestrator.triton import perf_analyzer_env
+
+    data = {"data": [{"text_input": [PROMPT], "max_tokens": [8], "stream": [True]}]}
+    (tmp_path / "input.json").write_text(json.dumps(data), encoding="utf-8")
+    cmd = [str(Path(sys.executable).parent / "perf_analyzer"), "-m", "llm", "-i", "grpc", "-u", server.grpc_url]
+    cmd += ["--streaming", "--input-data", str(tmp_path / "input.json")]
+    cmd += ["--measurement-mode", "count_windows", "--measurement-request-count", "3", "--concurrency-range", "1"]
+    env = perf_analyzer_env(server.install, tmp_path / "libs")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Throughput" in done.stdout
