@@ -1,15 +1,14 @@
-"""The ``llm`` model's inputs (TensorRT-LLM ensemble names) -> a typed request. No Triton import.
+"""The ``llm`` ensemble's inputs (TensorRT-LLM names) -> typed values, per step. No Triton import.
 
-Inputs: ``text_input`` (required), ``max_tokens``, ``stream``, ``temperature``, ``top_k``,
-``top_p``, ``random_seed``, ``stop_words``, ``end_id``, ``beam_width``, ``chat`` (ours: apply
-the chat template), ``request_id`` (optional). Every problem is an ``InvalidRequestError``
-naming the input.
+Inputs: ``text_input`` (required), ``chat`` (ours: apply the chat template) for preprocessing;
+``max_tokens``, ``stream``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
+``stop_words``, ``end_id``, ``beam_width`` for decode. Every problem is an
+``InvalidRequestError`` naming the input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,15 +27,6 @@ _KINDS = {
     "stream": "b",
     "chat": "b",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class LLMRequest:
-    prompt: str
-    params: SamplingParams
-    stream: bool
-    chat: bool
-    request_id: str | None
 
 
 def _scalar(get: Getter, name: str) -> object | None:
@@ -67,7 +57,8 @@ def _text(raw: object, name: str) -> str:
     raise InvalidRequestError(f"input {name} must be BYTES (a string)")
 
 
-def parse_request(get: Getter, max_tokens_limit: int) -> LLMRequest:
+def parse_text(get: Getter) -> tuple[str, bool]:
+    """``text_input`` and ``chat`` (the preprocessing step)."""
     arr = get("text_input")
     if arr is None:
         raise InvalidRequestError("input text_input is missing")
@@ -76,14 +67,22 @@ def parse_request(get: Getter, max_tokens_limit: int) -> LLMRequest:
     prompt = _text(arr.reshape(-1)[0], "text_input")
     if not prompt.strip():
         raise InvalidRequestError("input text_input is empty")
+    return prompt, bool(_scalar(get, "chat") or False)
+
+
+def parse_stop_words(get: Getter) -> tuple[str, ...]:
+    stops = get("stop_words")
+    return tuple(s for s in (_text(x, "stop_words") for x in stops.reshape(-1)) if s) if stops is not None else ()
+
+
+def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, bool]:
+    """Sampling inputs and ``stream`` (the decode step)."""
     max_tokens = _scalar(get, "max_tokens")
     if max_tokens is not None and not 0 < int(max_tokens) <= max_tokens_limit:  # type: ignore[call-overload]
         raise InvalidRequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
     beam = _scalar(get, "beam_width")
     if beam is not None and beam != 1:
         raise InvalidRequestError(f"beam_width {beam} is not supported (only 1)")
-    stops = get("stop_words")
-    stop = tuple(_text(s, "stop_words") for s in stops.reshape(-1)) if stops is not None else ()
     end_id = _scalar(get, "end_id")
     temperature = _scalar(get, "temperature")
     top_k = _scalar(get, "top_k")
@@ -96,14 +95,7 @@ def parse_request(get: Getter, max_tokens_limit: int) -> LLMRequest:
         top_p=float(top_p) if top_p is not None else 1.0,  # type: ignore[arg-type]
         seed=int(seed) if seed is not None else None,  # type: ignore[call-overload]
         stop_token_ids=(int(end_id),) if end_id is not None else (),  # type: ignore[call-overload]
-        stop=tuple(s for s in stop if s),
+        stop=parse_stop_words(get),
     )
     params.validate()
-    rid = get("request_id")
-    return LLMRequest(
-        prompt=prompt,
-        params=params,
-        stream=bool(_scalar(get, "stream") or False),
-        chat=bool(_scalar(get, "chat") or False),
-        request_id=_text(rid.reshape(-1)[0], "request_id") if rid is not None and rid.size else None,
-    )
+    return params, bool(_scalar(get, "stream") or False)

@@ -220,3 +220,10 @@ def test_perf_analyzer_streaming_run(server: TritonServer, tmp_path: Path) -> No
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Throughput" in done.stdout
+
+
+def test_stop_words_cut_the_text(server: TritonServer, reference: str) -> None:
+    stop = reference.split()[1]  # the second word of the greedy answer
+    status, body = http_generate(server, {"text_input": PROMPT, "max_tokens": 12, "stop_words": [stop]})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == reference[: reference.index(stop)]

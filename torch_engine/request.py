@@ -99,3 +99,5 @@ class RequestOutput:
     error: str | None = None
     text: str = ""
     prompt_tokens: int = 0
+    text_window: tuple[int, ...] = ()  # tokens whose decoding, past ``text_skip`` of them, is ``text``
+    text_skip: int = 0

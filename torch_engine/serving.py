@@ -88,7 +88,7 @@ class EngineLoop:
                 continue
             outputs = self.engine.step()
             for out in outputs:
-                delta = replace(out, text=self._text_delta(out))
+                delta = self._with_text(out)
                 if out.finished:
                     self._finish(out.request_id, delta)
                 else:
@@ -97,16 +97,18 @@ class EngineLoop:
                 sched = self.engine.scheduler
                 self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
 
-    def _text_delta(self, out: RequestOutput) -> str:
-        """New text of this output; never splits a UTF-8 character; a matched stop string is cut."""
+    def _with_text(self, out: RequestOutput) -> RequestOutput:
+        """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the
+        token window it was decoded from, for servers that detokenise in a separate step."""
         detok = self._detok.get(out.request_id)
         if detok is None:
-            return ""
+            return out
+        window, skip = detok.window()
         before = len(detok.text)
         detok.push(out.new_token_ids)
         req = self.engine.requests.get(out.request_id)
         full = req.text if out.finished and req is not None and req.params.stop else detok.text
-        return full[before:]
+        return replace(out, text=full[before:], text_window=(*window, *out.new_token_ids), text_skip=skip)
 
     def _finish(self, request_id: str, out: RequestOutput) -> None:
         callback = self._callbacks.pop(request_id, None)

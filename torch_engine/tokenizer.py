@@ -47,13 +47,27 @@ class IncrementalDetokenizer:
         self.read = len(self.ids)
         self.text = ""
 
+    def window(self) -> tuple[list[int], int]:
+        """The tokens the next ``push`` decodes over, and how many of them are already emitted."""
+        return self.ids[self.prefix :], self.read - self.prefix
+
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-        full = self.tok.decode(self.ids[self.prefix :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
-            return ""
-        delta = full[len(prefix_text) :]
-        self.prefix, self.read = self.read, len(self.ids)
-        self.text += delta
+        delta = window_text(self.tok, self.ids[self.prefix :], self.read - self.prefix)
+        if delta:
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += delta
         return delta
+
+
+def window_text(tok: Tokenizer, ids: list[int], skip: int) -> str:
+    """New text of ``ids`` past its first ``skip`` tokens, or "" while it ends mid-character.
+
+    The one rule both the engine loop and a separate postprocessing step apply, so that a
+    window sent from one to the other decodes to exactly the same text.
+    """
+    prefix = tok.decode(ids[:skip])
+    full = tok.decode(ids)
+    if full.endswith("\ufffd") or len(full) <= len(prefix):
+        return ""
+    return full[len(prefix) :]

@@ -1,8 +1,10 @@
 """Triton Python-based backend ``disagg_backend``: tensors <-> typed requests, nothing else.
 
-The engine runs on its own thread (``torch_engine.serving.EngineLoop``); ``execute`` only
-parses each request and hands it over, so the stub never blocks on one request. Responses go
-back through each request's decoupled response sender. Bad input gets a per-request error.
+In the decode role the engine runs on its own thread (``torch_engine.serving.EngineLoop``);
+``execute`` only parses each request and hands it over, so the stub never blocks on one
+request, and responses (token windows) go back through each request's decoupled sender.
+Preprocessing and postprocessing are plain request -> response conversions. Bad input gets a
+per-request error.
 """
 
 from __future__ import annotations
@@ -14,48 +16,79 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from orchestrator.llm_request import parse_request
+from orchestrator.llm_request import parse_sampling, parse_stop_words, parse_text
 from orchestrator.node_config import NodeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError
 from torch_engine.serving import EngineLoop
+from torch_engine.tokenizer import Tokenizer, window_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        self.model_config = json.loads(args["model_config"])
-        self.node = NodeConfig.load(os.environ["DISAGG_NODE_CONFIG"])
-        self.metrics = _Metrics()
-        self.loop = EngineLoop(LLMEngine(self.node.engine_config()), on_step=self.metrics.step)
+    """One class, three roles (the model config's ``role`` parameter): ``preprocessing`` (text ->
+    token ids), ``decode`` (token ids -> streamed token windows, decoupled; owns the engine) and
+    ``postprocessing`` (token window -> text)."""
 
-    def execute(self, requests: list) -> None:
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                parsed = parse_request(lambda name, r=request: _input(r, name), self.node.max_tokens_limit)
-            except InvalidRequestError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
-                continue
-            rid = parsed.request_id or request.request_id() or f"triton-{id(request)}"
-            self.loop.submit(
-                rid,
-                parsed.prompt,
-                parsed.params,
-                _Responder(sender, parsed.stream, self.loop, self.metrics),
-                parsed.chat,
-            )
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        self.role = config["parameters"]["role"]["string_value"]
+        self.node = NodeConfig.load(os.environ["DISAGG_NODE_CONFIG"])
+        if self.role == "decode":
+            self.metrics = _Metrics()
+            self.loop = EngineLoop(LLMEngine(self.node.engine_config()), on_step=self.metrics.step)
+        else:
+            self.tokenizer = Tokenizer(self.node.engine_dir)
+
+    def execute(self, requests: list) -> list | None:
+        if self.role == "decode":
+            for request in requests:
+                self._decode(request)
+            return None
+        return [self._convert(request) for request in requests]
+
+    def _convert(self, request: object) -> object:
+        get = _getter(request)
+        try:
+            if self.role == "preprocessing":
+                prompt, chat = parse_text(get)
+                ids = np.array(self.tokenizer.encode(prompt, chat=chat), dtype=np.int32)
+                return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("input_ids", ids)])
+            window = [int(t) for t in get("output_ids").reshape(-1)]
+            text = window_text(self.tokenizer, window, int(get("text_skip").reshape(-1)[0]))
+            for stop in parse_stop_words(get):  # a stop string inside this piece ends the text there
+                text = text.split(stop, 1)[0]
+            return _text_response(text)
+        except InvalidRequestError as exc:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+
+    def _decode(self, request: object) -> None:
+        sender = request.get_response_sender()
+        get = _getter(request)
+        try:
+            params, stream = parse_sampling(get, self.node.max_tokens_limit)
+        except InvalidRequestError as exc:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            return
+        ids = [int(t) for t in get("input_ids").reshape(-1)]
+        rid = request.request_id() or f"triton-{id(request)}"
+        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop)
+        self.loop.submit(f"{rid}#{id(request)}", ids, params, responder)
 
     def finalize(self) -> None:
-        self.loop.stop()
+        if self.role == "decode":
+            self.loop.stop()
 
 
-def _input(request: object, name: str) -> np.ndarray | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+def _getter(request: object):
+    def get(name: str) -> np.ndarray | None:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
 
 
 class _Metrics:
@@ -89,14 +122,17 @@ class _Metrics:
 
 
 class _Responder:
-    """Streams text deltas (``stream`` true) or sends the whole text once; aborts on cancellation."""
+    """Streams token windows (``stream`` true) or sends all tokens once; aborts on cancellation."""
 
-    def __init__(self, sender: object, stream: bool, loop: EngineLoop, metrics: _Metrics) -> None:
+    def __init__(
+        self, sender: object, stream: bool, loop: EngineLoop, metrics: _Metrics, stop: tuple[str, ...]
+    ) -> None:
         self.sender = sender
+        self.stop = stop
         self.stream = stream
         self.loop = loop
         self.metrics = metrics
-        self.text: list[str] = []
+        self.all_ids: list[int] = []
         self.last = time.monotonic()
         self.first = True
 
@@ -117,13 +153,26 @@ class _Responder:
             self.first, self.last = False, now
         if out.finished:
             self.metrics.prompt_tokens.increment(out.prompt_tokens)
-        self.text.append(out.text)
-        if self.stream and (out.text or out.finished):
-            self.sender.send(_response(out.text), flags=FINAL if out.finished else 0)
-        elif out.finished:
-            self.sender.send(_response("".join(self.text)), flags=FINAL)
+        if self.stream:
+            if out.text or out.finished:
+                response = _window_response(out.text_window, out.text_skip, self.stop)
+                self.sender.send(response, flags=FINAL if out.finished else 0)
+        else:
+            self.all_ids.extend(out.new_token_ids)
+            if out.finished:
+                self.sender.send(_window_response(tuple(self.all_ids), 0, self.stop), flags=FINAL)
 
 
-def _response(text: str) -> object:
+def _window_response(window: tuple[int, ...], skip: int, stop: tuple[str, ...]) -> object:
+    tensors = [
+        pb_utils.Tensor("output_ids", np.array(window, dtype=np.int32)),
+        pb_utils.Tensor("text_skip", np.array([skip], dtype=np.int32)),
+    ]
+    if stop:
+        tensors.append(pb_utils.Tensor("stop_words_out", np.array([s.encode() for s in stop], dtype=np.object_)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _text_response(text: str) -> object:
     data = np.array([text.encode("utf-8")], dtype=np.object_)
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", data)])
