@@ -21,6 +21,8 @@ class NodeConfig(BaseModel):
     max_prefill_chunk: int = Field(default=512, ge=1)
     num_threads: int | None = Field(default=None, ge=1)
     max_tokens_limit: int = Field(default=4096, ge=1)  # the largest max_tokens a request may ask for
+    agent_name: str = "disagg-node"  # NIXL agent name of this node's messenger (prefill role)
+    nixl_backend: str = "UCX"
 
     @classmethod
     def load(cls, path: str | Path) -> NodeConfig:

@@ -108,6 +108,7 @@ class TritonServer:
         ports: Ports = Ports(),
         host: str = "127.0.0.1",
         install: TritonInstall | None = None,
+        models: tuple[str, ...] = ("llm",),
     ) -> None:
         self.install = install or TritonInstall.find()
         self.model_repo = Path(model_repo)
@@ -115,6 +116,7 @@ class TritonServer:
         self.node_config = Path(node_config)
         self.ports = ports
         self.host = host
+        self.models = models  # what this node loads (an ensemble brings its steps): llm / prefill
         self.log_path = self.run_dir / "tritonserver.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -139,6 +141,8 @@ class TritonServer:
             f"--metrics-port={self.ports.metrics}",
             "--allow-metrics=true",
             "--log-verbose=0",
+            "--model-control-mode=explicit",
+            *(f"--load-model={m}" for m in self.models),
         ]
 
     def environment(self) -> dict[str, str]:

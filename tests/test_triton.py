@@ -216,6 +216,7 @@ def test_perf_analyzer_streaming_run(server: TritonServer, tmp_path: Path) -> No
     cmd = [str(Path(sys.executable).parent / "perf_analyzer"), "-m", "llm", "-i", "grpc", "-u", server.grpc_url]
     cmd += ["--streaming", "--input-data", str(tmp_path / "input.json")]
     cmd += ["--measurement-mode", "count_windows", "--measurement-request-count", "3", "--concurrency-range", "1"]
+    cmd += ["--stability-percentage", "1000", "--max-trials", "3"]  # a completed run, not a stable number: CI is noisy
     env = perf_analyzer_env(server.install, tmp_path / "libs")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -54,9 +54,14 @@ class EngineLoop:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(request_id)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the loop; False if it did not end in time (it is a daemon thread: the process can exit)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("the engine loop did not stop within %.0f s", timeout_s)
+            return False
+        return True
 
     def _admit(self, item: _Submit | str) -> None:
         if isinstance(item, str):

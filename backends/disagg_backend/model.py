@@ -15,7 +15,11 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from pydantic import ValidationError
 
+from kv_messenger.prefill_server import PrefillServer
+from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from kv_messenger.transport.nixl import NixlTransport
 from orchestrator.llm_request import parse_sampling, parse_stop_words, parse_text
 from orchestrator.node_config import NodeConfig
 from torch_engine.engine import LLMEngine
@@ -40,6 +44,9 @@ class TritonPythonModel:
         if self.role == "decode":
             self.metrics = _Metrics()
             self.loop = EngineLoop(LLMEngine(self.node.engine_config()), on_step=self.metrics.step)
+        elif self.role == "prefill":
+            transport = NixlTransport(self.node.agent_name, self.node.nixl_backend)
+            self.prefill = PrefillServer(LLMEngine(self.node.engine_config(), load_tokenizer=False), transport)
         else:
             self.tokenizer = Tokenizer(self.node.engine_dir)
 
@@ -53,6 +60,8 @@ class TritonPythonModel:
     def _convert(self, request: object) -> object:
         get = _getter(request)
         try:
+            if self.role == "prefill":
+                return self._prefill(get)
             if self.role == "preprocessing":
                 prompt, chat = parse_text(get)
                 ids = np.array(self.tokenizer.encode(prompt, chat=chat), dtype=np.int32)
@@ -64,6 +73,23 @@ class TritonPythonModel:
             return _text_response(text)
         except InvalidRequestError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+
+    def _prefill(self, get) -> object:
+        """``handshake``: decode endpoints in, our endpoint out; ``prefill_request``: queue it, return the load."""
+        hs, pr = get("handshake"), get("prefill_request")
+        try:
+            if hs is not None:
+                eps = [RankEndpoint.model_validate(e) for e in json.loads(hs.reshape(-1)[0])]
+                mine = self.prefill.handshake(eps).model_dump_json()
+                return pb_utils.InferenceResponse(output_tensors=[_strings("endpoint", mine)])
+            if pr is not None:
+                load = self.prefill.submit(PrefillRequest.model_validate_json(pr.reshape(-1)[0]))
+                return pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("load_tokens", np.array([load], np.int64))]
+                )
+        except (ValueError, ValidationError) as exc:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError("send handshake or prefill_request"))
 
     def _decode(self, request: object) -> None:
         sender = request.get_response_sender()
@@ -81,6 +107,8 @@ class TritonPythonModel:
     def finalize(self) -> None:
         if self.role == "decode":
             self.loop.stop()
+        elif self.role == "prefill":
+            self.prefill.stop()
 
 
 def _getter(request: object):
@@ -137,13 +165,16 @@ class _Responder:
         self.first = True
 
     def __call__(self, out: RequestOutput) -> None:
-        if self.sender.is_cancelled() and not out.finished:
-            self.loop.cancel(out.request_id)
+        if self.sender.is_cancelled():  # the client went away: stop, and only close the stream
+            if out.finished:
+                self.sender.send(flags=FINAL)  # Triton releases the request only once it is closed
+            else:
+                self.loop.cancel(out.request_id)
             return
         if out.error is not None:
             self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=FINAL)
             return
-        if out.finish_reason is FinishReason.ABORT:  # the client went away: just close the stream
+        if out.finish_reason is FinishReason.ABORT:  # aborted here: close the stream
             self.sender.send(flags=FINAL)
             return
         now = time.monotonic()
@@ -173,6 +204,9 @@ def _window_response(window: tuple[int, ...], skip: int, stop: tuple[str, ...]) 
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+def _strings(name: str, *values: str) -> object:
+    return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
+
+
 def _text_response(text: str) -> object:
-    data = np.array([text.encode("utf-8")], dtype=np.object_)
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", data)])
+    return pb_utils.InferenceResponse(output_tensors=[_strings("text_output", text)])

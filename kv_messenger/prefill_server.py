@@ -1,0 +1,83 @@
+"""A prefill node's serving loop: the engine plus its messenger, driven from one thread.
+
+``PrefillServer`` owns an ``LLMEngine`` (prefill role), a ``PrefillSide`` and the
+``PrefillLink`` between them. ``handshake`` connects decode ranks and returns this node's
+endpoint; ``submit`` queues a ``PrefillRequest`` and returns the load (outstanding prefill
+tokens) so routers can balance. The loop thread admits requests, steps the engine, and releases
+source pages as transfers complete. No Triton import: the ``prefill`` Triton model is a shim.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from kv_messenger.engine_link import PrefillLink, engine_layout, metadata_bytes
+from kv_messenger.prefill_side import PrefillSide
+from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from kv_messenger.transport.base import Transport
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, engine: LLMEngine, transport: Transport, idle_wait_s: float = 0.002) -> None:
+        self.engine = engine
+        self.side = PrefillSide(
+            transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine)
+        )
+        self.link = PrefillLink(engine, self.side)
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.Queue[PrefillRequest] = queue.Queue()
+        self._outstanding: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.side.start()
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        self._thread.start()
+
+    def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:
+        self.side.connect(decode_ranks)
+        return self.side.endpoint()
+
+    def submit(self, req: PrefillRequest) -> int:
+        """Queue a prefill; returns the outstanding prefill tokens on this node, this one included."""
+        if len(req.prompt_ids) < 2:
+            raise ValueError(f"request {req.request_id}: a split request needs at least 2 prompt tokens")
+        if len(req.prompt_ids) >= self.engine.max_model_len:
+            raise ValueError(f"request {req.request_id}: {len(req.prompt_ids)} tokens exceed the context")
+        vocab = self.engine.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise ValueError(f"request {req.request_id}: a token id is outside the vocabulary [0, {vocab})")
+        with self._lock:
+            self._outstanding[req.request_id] = len(req.prompt_ids) - 1
+            load = sum(self._outstanding.values())
+        self._inbox.put(req)
+        return load
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.side.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                while True:
+                    req = self._inbox.get(block=not self.engine.has_unfinished(), timeout=self.idle_wait_s)
+                    try:
+                        self.link.submit(req)
+                    except InvalidRequestError:
+                        log.exception("prefill request %s refused by the engine", req.request_id)
+                        with self._lock:
+                            self._outstanding.pop(req.request_id, None)
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished():
+                self.link.step()
+            for rid in self.link.reap():
+                with self._lock:
+                    self._outstanding.pop(rid, None)
