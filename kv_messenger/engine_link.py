@@ -17,7 +17,7 @@ import torch
 
 from kv_messenger.decode_side import DecodeSide
 from kv_messenger.layout import AttentionKind, KVLayoutSpec
-from kv_messenger.prefill_side import PrefillJobState, PrefillSide
+from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
@@ -53,6 +53,7 @@ class PrefillLink:
         self.side = side
         self._pinned: dict[str, list[int]] = {}
         self._wants_meta: set[str] = set()
+        self._reaped: list[PrefillOutcome] = []
         engine.observers.append(self)
 
     def submit(self, req: PrefillRequest) -> None:
@@ -89,11 +90,16 @@ class PrefillLink:
                 assert req.last_hidden is not None and req.last_logits is not None
                 payload = torch.cat((req.last_hidden.float(), req.last_logits.float()))
                 self.side.set_metadata(out.request_id, payload)
-        self.reap()
+        self._reaped += self._release()
         return outputs
 
-    def reap(self) -> list[str]:
-        """Release the source pages of requests whose transfers are over."""
+    def reap(self) -> list[PrefillOutcome]:
+        """Release the source pages of requests whose transfers are over; returns them (including
+        those that ``step`` already released since the last call)."""
+        done, self._reaped = self._reaped + self._release(), []
+        return done
+
+    def _release(self) -> list[PrefillOutcome]:
         done = []
         for outcome in self.side.completed():
             rid = outcome.request_id
@@ -104,7 +110,7 @@ class PrefillLink:
             else:
                 self.engine.abort(rid)
             self.engine.requests.pop(rid, None)
-            done.append(rid)
+            done.append(outcome)
         return done
 
     def abort(self, request_id: str) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 from kv_messenger.engine_link import PrefillLink, engine_layout, metadata_bytes
-from kv_messenger.prefill_side import PrefillSide
+from kv_messenger.prefill_side import PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import Transport
 from torch_engine.engine import LLMEngine
@@ -22,10 +24,16 @@ from torch_engine.sampling import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
+DoneHook = Callable[[PrefillOutcome, float], None]  # (outcome, seconds from submit to last write done)
+
 
 class PrefillServer:
-    def __init__(self, engine: LLMEngine, transport: Transport, idle_wait_s: float = 0.002) -> None:
+    def __init__(
+        self, engine: LLMEngine, transport: Transport, idle_wait_s: float = 0.002, on_done: DoneHook | None = None
+    ) -> None:
         self.engine = engine
+        self.on_done = on_done
+        self._started: dict[str, float] = {}
         self.side = PrefillSide(
             transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine)
         )
@@ -54,6 +62,7 @@ class PrefillServer:
             raise ValueError(f"request {req.request_id}: a token id is outside the vocabulary [0, {vocab})")
         with self._lock:
             self._outstanding[req.request_id] = len(req.prompt_ids) - 1
+            self._started[req.request_id] = time.monotonic()
             load = sum(self._outstanding.values())
         self._inbox.put(req)
         return load
@@ -74,10 +83,14 @@ class PrefillServer:
                         log.exception("prefill request %s refused by the engine", req.request_id)
                         with self._lock:
                             self._outstanding.pop(req.request_id, None)
+                            self._started.pop(req.request_id, None)
             except queue.Empty:
                 pass
             if self.engine.has_unfinished():
                 self.link.step()
-            for rid in self.link.reap():
+            for outcome in self.link.reap():
                 with self._lock:
-                    self._outstanding.pop(rid, None)
+                    self._outstanding.pop(outcome.request_id, None)
+                    started = self._started.pop(outcome.request_id, time.monotonic())
+                if self.on_done is not None:
+                    self.on_done(outcome, time.monotonic() - started)

@@ -82,6 +82,7 @@ class _Job:
     meta: torch.Tensor | None = None
     meta_posted: bool = False
     staging_slot: int | None = None
+    bytes_posted: int = 0
     prefill_done: bool = False  # the engine finished the request's prefill (set by ``prefill_done``)
     error: str | None = None
 
@@ -91,6 +92,7 @@ class PrefillOutcome:
     request_id: str
     state: PrefillJobState
     error: str | None
+    bytes_posted: int = 0
 
 
 class PrefillSide:
@@ -326,8 +328,10 @@ class PrefillSide:
             note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, counts[d])  # planned writes
             job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))
             job.posted[d] = job.posted.get(d, 0) + counts[d]
+            nbytes = int(rs[:, 2].sum())
             self.writes_posted += counts[d]
-            self.bytes_posted += int(rs[:, 2].sum())
+            self.bytes_posted += nbytes
+            job.bytes_posted += nbytes
 
     def _post_meta(self, job: _Job) -> None:
         job.meta_posted = True
@@ -359,4 +363,4 @@ class PrefillSide:
         with self._lock:
             if self._jobs.get(job.req.request_id) is job:
                 del self._jobs[job.req.request_id]
-            self._done.append(PrefillOutcome(job.req.request_id, job.state, job.error))
+            self._done.append(PrefillOutcome(job.req.request_id, job.state, job.error, job.bytes_posted))

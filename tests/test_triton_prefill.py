@@ -65,6 +65,13 @@ def test_prefill_node_over_triton(kind: str, tiny_engine_dir, tmp_path: Path) ->
             decode.step()
         got = [decode.requests[f"r{i}"].output_ids for i in range(3)]
         client.close()
+        from tests.test_triton import metric
+
+        deadline = time.monotonic() + 10  # the last FIN, then the metrics
+        while metric(srv, "disagg_kv_transfer_seconds_count") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(srv, "disagg_kv_transfer_seconds_count") == 3
+        assert metric(srv, "disagg_kv_transfer_bytes_total") > 0
     finally:
         side.transport.close()
         assert srv.stop() == 0, srv.log_tail()

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from pydantic import ValidationError
 
 from kv_messenger.prefill_server import PrefillServer
+from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.nixl import NixlTransport
 from orchestrator.llm_request import parse_sampling, parse_stop_words, parse_text
@@ -46,7 +47,9 @@ class TritonPythonModel:
             self.loop = EngineLoop(LLMEngine(self.node.engine_config()), on_step=self.metrics.step)
         elif self.role == "prefill":
             transport = NixlTransport(self.node.agent_name, self.node.nixl_backend)
-            self.prefill = PrefillServer(LLMEngine(self.node.engine_config(), load_tokenizer=False), transport)
+            self.transfers = _TransferMetrics()
+            engine = LLMEngine(self.node.engine_config(), load_tokenizer=False)
+            self.prefill = PrefillServer(engine, transport, on_done=self.transfers.done)
         else:
             self.tokenizer = Tokenizer(self.node.engine_dir)
 
@@ -147,6 +150,24 @@ class _Metrics:
         self.pages["pinned"].set(stats.pinned)
         self.queue["waiting"].set(waiting)
         self.queue["running"].set(running)
+
+
+class _TransferMetrics:
+    """Prefill nodes: KV bytes sent and the time from a prefill request to its last completed write."""
+
+    def __init__(self) -> None:
+        fam = pb_utils.MetricFamily
+        buckets = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+        self._families = [
+            fam("disagg_kv_transfer_bytes_total", "KV bytes written to decode nodes", fam.COUNTER),
+            fam("disagg_kv_transfer_seconds", "Prefill request received -> its last KV write completed", fam.HISTOGRAM),
+        ]
+        self.bytes = self._families[0].Metric(labels={"model": "prefill"})
+        self.seconds = self._families[1].Metric(labels={"model": "prefill"}, buckets=buckets)
+
+    def done(self, outcome: PrefillOutcome, seconds: float) -> None:
+        self.bytes.increment(outcome.bytes_posted)
+        self.seconds.observe(seconds)
 
 
 class _Responder:
