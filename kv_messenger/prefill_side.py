@@ -142,6 +142,9 @@ class PrefillSide:
             self._peers[ep.agent] = ep
             self._peer_pools[ep.agent] = (list(ep.layer_addrs), ep.layout.page_bytes)
 
+    def peer_endpoint(self, agent: str) -> RankEndpoint:
+        return self._peers[agent]
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"kv-prefill-{self.transport.name}", daemon=True)
         self._thread.start()

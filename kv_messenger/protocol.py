@@ -59,9 +59,6 @@ class RankEndpoint(_Msg):
     def metadata(self) -> bytes:
         return base64.b64decode(self.metadata_b64)
 
-    def page_addr(self, layer: int, page: int) -> int:
-        return self.layer_addrs[layer] + page * self.layout.page_bytes
-
 
 class PrefillRequest(_Msg):
     """Decode -> prefill: prefill this prompt and write its KV into these pages."""

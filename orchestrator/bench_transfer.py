@@ -131,7 +131,7 @@ def throughput(dec: _Decoder, tag: str, layout: KVLayoutSpec, n_pages: int, repe
     side = _pair(dec, tag, layout, pools, _AllDone(), 0)
     agent = f"{DECODE_AGENT}-{tag}"
     nbytes = n_pages * layout.page_bytes * layout.num_layers
-    remote = _remote_pools(side, agent)
+    remote = side.peer_endpoint(agent).layer_addrs
     dst = [torch.empty_like(p) for p in pools]
     for d, src in zip(dst, pools, strict=True):
         d.copy_(src)  # fault the copy's destination in once: measure copies, not page faults
@@ -185,10 +185,6 @@ def throughput(dec: _Decoder, tag: str, layout: KVLayoutSpec, n_pages: int, repe
         dec.call("close")
     m, r, c = statistics.median(messenger), statistics.median(raw), statistics.median(memcpy)
     return {"bytes": nbytes, "messenger_GBps": m, "raw_nixl_GBps": r, "memcpy_GBps": c, "messenger_over_raw": m / r}
-
-
-def _remote_pools(side: PrefillSide, agent: str) -> list[int]:
-    return side._peers[agent].layer_addrs
 
 
 def exposed(dec: _Decoder, engine_dir: Path, tokens: int, chunk: int, stream: bool, threads: int) -> dict[str, float]:

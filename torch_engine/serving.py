@@ -67,9 +67,7 @@ class EngineLoop:
         if isinstance(item, str):
             if self.engine.abort(item):
                 self._finish(item, RequestOutput(item, [], [], True, FinishReason.ABORT))
-                if self.on_step is not None:
-                    sched = self.engine.scheduler
-                    self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
+                self._report()
             return
         try:
             self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
@@ -98,9 +96,12 @@ class EngineLoop:
                     self._finish(out.request_id, delta)
                 else:
                     self._call(self._callbacks[out.request_id], delta)
-            if self.on_step is not None:
-                sched = self.engine.scheduler
-                self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
+            self._report()
+
+    def _report(self) -> None:
+        if self.on_step is not None:
+            sched = self.engine.scheduler
+            self.on_step(self.engine.page_stats(), len(sched.waiting), len(sched.running))
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the
