@@ -124,6 +124,15 @@ class DecodeSide:
         self._jobs[request_id] = _Expect(request_id, epoch, expected, senders, self.clock() + timeout_s)
         return expected
 
+    @property
+    def agents(self) -> list[str]:
+        """The decode group's agents, by TP rank, as far as this side knows: itself."""
+        return [self.transport.name]
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request whose senders never heard of it (its prefill request was not delivered)."""
+        self._jobs.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         """Stop waiting; tell the senders. Pages become releasable once no write can land."""
         job = self._jobs.get(request_id)

@@ -13,9 +13,11 @@ to the pool only when the messenger says no write can still land.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kv_messenger.decode_side import DecodeSide
+from kv_messenger.decode_side import DecodePoll, DecodeSide
 from kv_messenger.layout import AttentionKind, KVLayoutSpec
 from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest
@@ -23,6 +25,9 @@ from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
 from torch_engine.sampling import SamplingParams
 from torch_engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kv_messenger.tp_group import GroupDecodeSide, GroupPrefillSide
 
 
 def engine_layout(engine: LLMEngine) -> KVLayoutSpec:
@@ -48,7 +53,7 @@ def metadata_bytes(engine: LLMEngine) -> int:
 
 
 class PrefillLink:
-    def __init__(self, engine: LLMEngine, side: PrefillSide) -> None:
+    def __init__(self, engine: LLMEngine, side: PrefillSide | GroupPrefillSide) -> None:
         self.engine = engine
         self.side = side
         self._pinned: dict[str, list[int]] = {}
@@ -118,39 +123,69 @@ class PrefillLink:
 
 
 class DecodeLink:
-    def __init__(self, engine: LLMEngine, side: DecodeSide, prefill_agents: list[str], timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        side: DecodeSide | GroupDecodeSide,
+        prefill_agents: list[str] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.engine = engine
         self.side = side
-        self.prefill_agents = prefill_agents
+        self.prefill_agents = prefill_agents or []  # default senders; ``start`` may name others per request
+        self.decode_agents = side.agents  # the decode group's ranks, by TP rank
         self.timeout_s = timeout_s
         self._epochs: dict[str, int] = {}
         self._slots = list(range(side.meta_slots))
         self._slot_of: dict[str, int] = {}
         self._pages: dict[str, list[int]] = {}
+        self._prompts: dict[str, list[int]] = {}
         self._meta: dict[str, torch.Tensor] = {}
 
     def start(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, seed: int = 0, meta: bool = False
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        seed: int = 0,
+        meta: bool = False,
+        prefill_agents: list[str] | None = None,
     ) -> PrefillRequest:
         """Reserve pages and start counting; returns the request to send to the prefill node."""
         rid, pages = self.engine.reserve_for_kv(prompt_ids, params, request_id)
         self.engine.allocator.pin(pages)  # held until no write can land, whatever the engine does
-        epoch = self._epochs.get(rid, -1) + 1
-        self._epochs[rid] = epoch
         slot = self._slots.pop() if meta and self._slots else None
         if slot is not None:
             self._slot_of[rid] = slot
         self._pages[rid] = pages
-        self.side.expect(rid, epoch, self.prefill_agents, len(pages), seed, slot is not None, self.timeout_s)
+        self._prompts[rid] = list(prompt_ids)
+        return self._expect(rid, seed, prefill_agents or self.prefill_agents)
+
+    def retarget(self, request_id: str, prefill_agents: list[str], seed: int = 0) -> PrefillRequest:
+        """The prefill request never reached its group (the call failed): same pages, a new epoch,
+        other senders. Only for requests whose transfer cannot have started."""
+        self.side.forget(request_id)
+        return self._expect(request_id, seed, prefill_agents)
+
+    def _expect(self, rid: str, seed: int, prefill_agents: list[str]) -> PrefillRequest:
+        epoch = self._epochs.get(rid, -1) + 1
+        self._epochs[rid] = epoch
+        slot = self._slot_of.get(rid)
+        pages = self._pages[rid]
+        self.side.expect(rid, epoch, prefill_agents, len(pages), seed, slot is not None, self.timeout_s)
         return PrefillRequest(
             request_id=rid,
             epoch=epoch,
-            prompt_ids=list(prompt_ids),
+            prompt_ids=self._prompts[rid],
             dst_pages=pages,
-            decode_ranks=[self.side.transport.name],
+            decode_ranks=self.decode_agents,
             seed=seed,
             meta_slot=slot,
         )
+
+    def waiting(self) -> bool:
+        """Some request still waits for its KV or for its pages to become reusable."""
+        return bool(self._pages)
 
     def metadata(self, request_id: str) -> torch.Tensor | None:
         """The prefill's last hidden state + logits (fp32, concatenated), once the request is ready."""
@@ -158,9 +193,22 @@ class DecodeLink:
 
     def poll(self) -> list[tuple[str, str]]:
         """Move landed requests into the batch; returns the failed ones with their errors."""
+        return self.poll_all().failed
+
+    def fail_undelivered(self, request_id: str, error: str) -> None:
+        """The prefill request could not be delivered anywhere: no write can come; free everything now."""
+        self.side.forget(request_id)
+        self.engine.allocator.unpin(self._pages.pop(request_id, []))
+        self._prompts.pop(request_id, None)
+        self._free_slot(request_id)
+        self.engine.kv_failed(request_id, error)
+
+    def poll_all(self) -> DecodePoll:
+        """``poll``, returning what became ready, failed and releasable."""
         polled = self.side.poll()
         for rid in polled.ready:
             self.engine.allocator.unpin(self._pages.pop(rid))
+            self._prompts.pop(rid, None)
             slot = self._slot_of.get(rid)
             if slot is not None:
                 n = metadata_bytes(self.engine)
@@ -171,8 +219,9 @@ class DecodeLink:
             self.engine.kv_failed(rid, error)  # pages stay pinned (not reusable) until releasable
         for rid in polled.releasable:
             self.engine.allocator.unpin(self._pages.pop(rid))
+            self._prompts.pop(rid, None)
             self._free_slot(rid)
-        return polled.failed
+        return polled
 
     def abort(self, request_id: str) -> None:
         self.side.abort(request_id)

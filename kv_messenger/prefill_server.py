@@ -18,8 +18,11 @@ from collections.abc import Callable
 from kv_messenger.engine_link import PrefillLink, engine_layout, metadata_bytes
 from kv_messenger.prefill_side import PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from kv_messenger.tp_group import GroupChannel, GroupPrefillSide
+from kv_messenger.trace import Tracer
 from kv_messenger.transport.base import Transport
 from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason
 from torch_engine.sampling import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -29,14 +32,20 @@ DoneHook = Callable[[PrefillOutcome, float], None]  # (outcome, seconds from sub
 
 class PrefillServer:
     def __init__(
-        self, engine: LLMEngine, transport: Transport, idle_wait_s: float = 0.002, on_done: DoneHook | None = None
+        self,
+        engine: LLMEngine,
+        side: GroupPrefillSide,
+        idle_wait_s: float = 0.002,
+        on_done: DoneHook | None = None,
+        on_exit: Callable[[], None] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.engine = engine
         self.on_done = on_done
+        self.on_exit = on_exit
+        self.tracer = tracer
         self._started: dict[str, float] = {}
-        self.side = PrefillSide(
-            transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine)
-        )
+        self.side = side
         self.link = PrefillLink(engine, self.side)
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.Queue[PrefillRequest] = queue.Queue()
@@ -46,6 +55,12 @@ class PrefillServer:
         self.side.start()
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def standalone(cls, engine: LLMEngine, transport: Transport, on_done: DoneHook | None = None) -> PrefillServer:
+        """A TP-1 prefill node whose decode peers connect by ``handshake``."""
+        local = PrefillSide(transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine))
+        return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done)
 
     def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:
         self.side.connect(decode_ranks)
@@ -64,6 +79,8 @@ class PrefillServer:
             self._outstanding[req.request_id] = len(req.prompt_ids) - 1
             self._started[req.request_id] = time.monotonic()
             load = sum(self._outstanding.values())
+        if self.tracer is not None:
+            self.tracer.mark(req.request_id, "received", prompt_tokens=len(req.prompt_ids))
         self._inbox.put(req)
         return load
 
@@ -73,24 +90,37 @@ class PrefillServer:
         self.side.stop()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                while True:
-                    req = self._inbox.get(block=not self.engine.has_unfinished(), timeout=self.idle_wait_s)
-                    try:
-                        self.link.submit(req)
-                    except InvalidRequestError:
-                        log.exception("prefill request %s refused by the engine", req.request_id)
-                        with self._lock:
-                            self._outstanding.pop(req.request_id, None)
-                            self._started.pop(req.request_id, None)
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished():
-                self.link.step()
-            for outcome in self.link.reap():
-                with self._lock:
-                    self._outstanding.pop(outcome.request_id, None)
-                    started = self._started.pop(outcome.request_id, time.monotonic())
-                if self.on_done is not None:
-                    self.on_done(outcome, time.monotonic() - started)
+        try:
+            while not self._stop.is_set():
+                self._pass()
+        finally:
+            if self.on_exit is not None:
+                self.on_exit()
+
+    def _pass(self) -> None:
+        try:
+            while True:
+                req = self._inbox.get(block=not self.engine.has_unfinished(), timeout=self.idle_wait_s)
+                try:
+                    self.link.submit(req)
+                except InvalidRequestError:
+                    log.exception("prefill request %s refused by the engine", req.request_id)
+                    with self._lock:
+                        self._outstanding.pop(req.request_id, None)
+                        self._started.pop(req.request_id, None)
+        except queue.Empty:
+            pass
+        if self.engine.has_unfinished():
+            for out in self.link.step():
+                if self.tracer is not None and out.finish_reason is FinishReason.PREFILLED:
+                    self.tracer.mark(out.request_id, "prefilled")
+        else:
+            self.side.sync()  # TP followers: collect their completions, or a heartbeat
+        for outcome in self.link.reap():
+            with self._lock:
+                self._outstanding.pop(outcome.request_id, None)
+                started = self._started.pop(outcome.request_id, time.monotonic())
+            if self.tracer is not None:
+                self.tracer.finish(outcome.request_id, "kv_sent", kv_bytes=outcome.bytes_posted)
+            if self.on_done is not None:
+                self.on_done(outcome, time.monotonic() - started)

@@ -126,6 +126,8 @@ class PrefillSide:
         self._done: deque[PrefillOutcome] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.idle_wait_s = 0.005
         self._thread: threading.Thread | None = None
         self.writes_posted = 0
         self.bytes_posted = 0
@@ -151,6 +153,7 @@ class PrefillSide:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
 
@@ -171,14 +174,15 @@ class PrefillSide:
                     raise ValueError(f"request {req.request_id} epoch {req.epoch} is not newer than {old.req.epoch}")
                 old.state = PrefillJobState.ABORTED  # a newer epoch supersedes it: no further writes
             self._jobs[req.request_id] = job
+        self._wake.set()
 
     def schedule(self, request_id: str, forward: int, tokens_done: int, last: bool, src_pages: Sequence[int]) -> None:
         """Before forward pass ``forward`` runs: after it, ``tokens_done`` tokens of KV exist in
         ``src_pages`` (the request's pages here, in token order; they must stay put until done)."""
         with self._lock:
-            job = self._jobs[request_id]
-            if job.state is not PrefillJobState.STREAMING:
-                return
+            job = self._jobs.get(request_id)
+            if job is None or job.state is not PrefillJobState.STREAMING:
+                return  # over already (aborted by the decoder, or never accepted on this rank)
             p, n = self.layout.page_size, job.n_pages
             needed = min(-(-tokens_done // p), n)
             if len(src_pages) < needed:
@@ -216,6 +220,11 @@ class PrefillSide:
             if job is not None and job.state < PrefillJobState.DONE:
                 job.state = PrefillJobState.ABORTED
 
+    def busy(self) -> bool:
+        """Some request is still being sent (or its completion not yet collected)."""
+        with self._lock:
+            return bool(self._jobs or self._done)
+
     def completed(self) -> list[PrefillOutcome]:
         """Requests whose writes are all over (done, aborted or failed): free their source pages."""
         out = []
@@ -233,7 +242,14 @@ class PrefillSide:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.poll_once():
+            if self.poll_once():
+                continue
+            with self._lock:
+                idle = not self._jobs
+            if idle:  # nothing to send: sleep until a request arrives (control messages can wait)
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+            else:
                 time.sleep(self.poll_interval_s)
 
     def poll_once(self) -> bool:

@@ -1,4 +1,4 @@
-"""``disagg``: build engines, generate, chat, benchmark."""
+"""``disagg``: build engines, generate, chat, launch deployments, benchmark."""
 
 from __future__ import annotations
 
@@ -128,6 +128,12 @@ def cmd_bench_transfer(a: argparse.Namespace) -> int:
     return run_transfer_bench(a, _engine_dir)
 
 
+def cmd_launch(a: argparse.Namespace) -> int:
+    from orchestrator.launch_cli import run
+
+    return run(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -149,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     _build_args(c)
     _sampling_args(c)
     c.set_defaults(fn=cmd_chat)
+
+    la = sub.add_parser("launch", help="start a deployment from a cluster config (mpirun), serve until Ctrl-C")
+    from orchestrator.launch_cli import add_arguments
+
+    add_arguments(la)
+    la.set_defaults(fn=cmd_launch)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -7,10 +7,13 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from torch_engine.config import EngineConfig
+from torch_engine.config import EngineConfig, Role
 
 
 class NodeConfig(BaseModel):
+    """One process (MPI rank) of a deployment; the launcher renders one per rank from the cluster
+    config. Without ``mpi_rank`` it is a standalone node (tests, single-server use)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine_dir: Path
@@ -23,6 +26,16 @@ class NodeConfig(BaseModel):
     max_tokens_limit: int = Field(default=4096, ge=1)  # the largest max_tokens a request may ask for
     agent_name: str = "disagg-node"  # NIXL agent name of this node's messenger (prefill role)
     nixl_backend: str = "UCX"
+    role: Role = Role.COLOCATED  # DECODE: KV comes from prefill groups; PREFILL; COLOCATED: prefills itself
+    group: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    mpi_rank: int | None = Field(default=None, ge=0)  # set: this rank is part of an mpirun deployment
+    host: str = "127.0.0.1"  # where this rank's servers (TP rendezvous, Triton) listen
+    grpc_url: str | None = None  # group leaders: their Triton gRPC endpoint, announced to the peers
+    kv_timeout_s: float = Field(default=60.0, gt=0)
+    prefill_request_timeout_s: float = Field(default=10.0, gt=0)
+    trace_path: Path | None = None  # JSONL of per-request server-side timestamps (benchmarks)
 
     @classmethod
     def load(cls, path: str | Path) -> NodeConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -191,11 +191,12 @@ class LLMEngine:
         """Leader: release the TP followers from ``run_follower``."""
         self.runner.stop_followers()
 
-    def run_follower(self) -> None:
-        """TP ranks > 0: execute every step the leader broadcasts until it shuts down."""
+    def run_follower(self, on_message: Callable[[object], None] | None = None) -> None:
+        """TP ranks > 0: execute every step the leader broadcasts until it shuts down (``on_message``
+        handles what a ``TickHook`` on the leader wraps the steps in)."""
         if self.tp.is_leader:
             raise RuntimeError("the TP leader drives the engine with step(); only followers run this loop")
-        self.runner.follower_loop()
+        self.runner.follower_loop(on_message)
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None) -> list[list[int]]:

@@ -2,11 +2,15 @@
 
 The leader builds ``StepInputs`` (small, picklable) and broadcasts it; every rank runs
 ``execute``; TP followers sit in ``follower_loop`` until the leader broadcasts ``None``.
+A ``TickHook`` (the messenger's TP-group channel) may wrap what the leader broadcasts, so that
+one collective per step carries both the step and the messenger commands for the followers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,6 +34,12 @@ class StepInputs:
     decode_kv_lens: torch.Tensor | None  # [B]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (row start, row end, first position, page table [1, M])
     output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
+
+
+class TickHook(Protocol):
+    def wrap(self, inputs: StepInputs) -> object: ...  # what the leader broadcasts instead of ``inputs``
+
+    def after(self) -> None: ...  # the leader ran the step (the followers too)
 
 
 def _page_table(rows: list[list[int]]) -> torch.Tensor:
@@ -56,6 +66,7 @@ class ModelRunner:
         self.dtype = kv.spec.dtype
         cfg = model.cfg
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
+        self.tick_hook: TickHook | None = None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -124,17 +135,26 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """Leader: broadcast the step to the followers, run it, return the output rows' hidden states."""
         inputs = self.prepare(sched)
-        self.tp.broadcast_object(inputs)
-        return self.execute(inputs)
+        hook = self.tick_hook
+        self.tp.broadcast_object(inputs if hook is None else hook.wrap(inputs))
+        hidden = self.execute(inputs)
+        if hook is not None:
+            hook.after()
+        return hidden
 
     def stop_followers(self) -> None:
         self.tp.broadcast_object(None)
 
-    def follower_loop(self) -> None:
-        """TP ranks other than the leader: run every step the leader broadcasts, until ``None``."""
+    def follower_loop(self, on_message: Callable[[object], None] | None = None) -> None:
+        """TP ranks other than the leader: run every step the leader broadcasts, until ``None``.
+        Anything else the leader broadcasts (a wrapped step) goes to ``on_message``."""
         while True:
-            inputs = self.tp.broadcast_object(None)
-            if inputs is None:
+            msg = self.tp.broadcast_object(None)
+            if msg is None:
                 return
-            assert isinstance(inputs, StepInputs)
-            self.execute(inputs)
+            if isinstance(msg, StepInputs):
+                self.execute(msg)
+            elif on_message is not None:
+                on_message(msg)
+            else:
+                raise RuntimeError(f"TP follower got {type(msg).__name__} and has no handler for it")

@@ -48,3 +48,12 @@ class TPGroup:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def gather_object(self, obj: object) -> list[object] | None:
+        """Collect ``obj`` from every rank on the leader (in rank order); None on the other ranks."""
+        if self.size == 1:
+            return [obj]
+        out: list[object] | None = [None] * self.size if self.is_leader else None
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out

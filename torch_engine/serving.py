@@ -3,6 +3,11 @@
 ``submit`` and ``cancel`` are thread-safe and return at once; the loop thread admits new
 requests, runs ``step()``, and hands each ``RequestOutput`` (text delta included) to the
 request's callback. A request the engine refuses gets its error through the same callback.
+
+A ``KVSource`` (a decode node of a disaggregated deployment) takes over admission: it reserves
+pages and has the KV prefilled elsewhere; the loop polls it every pass (``tick``) and delivers
+the failures it reports. ``on_exit`` runs on the loop thread when it ends (TP groups release
+their followers there: collectives belong to this thread).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from torch_engine.engine import LLMEngine
 from torch_engine.kv_cache import PageStats
@@ -25,6 +31,22 @@ Callback = Callable[[RequestOutput], None]
 StepHook = Callable[[PageStats, int, int], None]  # (pages, waiting requests, running requests)
 
 
+class KVSource(Protocol):
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
+        """Take the request (True), or leave it to the engine (False); raises InvalidRequestError."""
+        ...
+
+    def tick(self) -> list[tuple[str, str]]:
+        """Progress; returns the requests that failed since the last tick, with their errors."""
+        ...
+
+    def busy(self) -> bool: ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request it holds (True), or say it holds none by that id (False)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Submit:
     request_id: str
@@ -35,10 +57,21 @@ class _Submit:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.005, on_step: StepHook | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.005,
+        on_step: StepHook | None = None,
+        kv: KVSource | None = None,
+        on_exit: Callable[[], None] | None = None,
+        kv_poll_s: float = 0.0005,
+    ) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.kv = kv
+        self.on_exit = on_exit
         self.idle_wait_s = idle_wait_s
+        self.kv_poll_s = kv_poll_s
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -65,12 +98,19 @@ class EngineLoop:
 
     def _admit(self, item: _Submit | str) -> None:
         if isinstance(item, str):
-            if self.engine.abort(item):
+            held = self.kv is not None and self.kv.cancel(item)
+            if held or self.engine.abort(item):
                 self._finish(item, RequestOutput(item, [], [], True, FinishReason.ABORT))
                 self._report()
             return
         try:
-            self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
+            split = (
+                self.kv is not None
+                and isinstance(item.prompt, list)
+                and self.kv.admit(item.request_id, item.prompt, item.params)
+            )
+            if not split:
+                self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
         except InvalidRequestError as exc:
             self._call(item.callback, RequestOutput(item.request_id, [], [], True, FinishReason.ERROR, str(exc)))
             return
@@ -79,18 +119,29 @@ class EngineLoop:
             self._detok[item.request_id] = IncrementalDetokenizer(self.engine.tokenizer)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                timeout = None if self.engine.has_unfinished() else self.idle_wait_s
-                while True:
-                    self._admit(self._inbox.get(block=timeout is not None, timeout=timeout))
-                    timeout = None
-            except queue.Empty:
-                pass
-            if not self.engine.has_unfinished():
-                continue
-            outputs = self.engine.step()
-            for out in outputs:
+        try:
+            while not self._stop.is_set():
+                self._pass()
+        finally:
+            if self.on_exit is not None:
+                self.on_exit()
+
+    def _pass(self) -> None:
+        try:
+            if self.engine.has_unfinished():
+                timeout = None
+            else:
+                timeout = self.kv_poll_s if self.kv is not None and self.kv.busy() else self.idle_wait_s
+            while True:
+                self._admit(self._inbox.get(block=timeout is not None, timeout=timeout))
+                timeout = None
+        except queue.Empty:
+            pass
+        if self.kv is not None:
+            for rid, error in self.kv.tick():
+                self._finish(rid, RequestOutput(rid, [], [], True, FinishReason.ERROR, error))
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
                 delta = self._with_text(out)
                 if out.finished:
                     self._finish(out.request_id, delta)

@@ -17,13 +17,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from pydantic import ValidationError
 
-from kv_messenger.prefill_server import PrefillServer
 from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
-from kv_messenger.transport.nixl import NixlTransport
+from kv_messenger.trace import Tracer
 from orchestrator.llm_request import parse_sampling, parse_stop_words, parse_text
+from orchestrator.node import decode_loop, prefill_server
 from orchestrator.node_config import NodeConfig
-from torch_engine.engine import LLMEngine
 from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError
@@ -44,12 +43,10 @@ class TritonPythonModel:
         self.node = NodeConfig.load(os.environ["DISAGG_NODE_CONFIG"])
         if self.role == "decode":
             self.metrics = _Metrics()
-            self.loop = EngineLoop(LLMEngine(self.node.engine_config()), on_step=self.metrics.step)
+            self.loop, self.tracer = decode_loop(self.node, on_step=self.metrics.step)
         elif self.role == "prefill":
-            transport = NixlTransport(self.node.agent_name, self.node.nixl_backend)
             self.transfers = _TransferMetrics()
-            engine = LLMEngine(self.node.engine_config(), load_tokenizer=False)
-            self.prefill = PrefillServer(engine, transport, on_done=self.transfers.done)
+            self.prefill = prefill_server(self.node, on_done=self.transfers.done)
         else:
             self.tokenizer = Tokenizer(self.node.engine_dir)
 
@@ -103,9 +100,11 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
             return
         ids = [int(t) for t in get("input_ids").reshape(-1)]
-        rid = request.request_id() or f"triton-{id(request)}"
-        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop)
-        self.loop.submit(f"{rid}#{id(request)}", ids, params, responder)
+        rid = f"{request.request_id() or 'triton'}#{id(request)}"
+        if self.tracer is not None:
+            self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
+        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer)
+        self.loop.submit(rid, ids, params, responder)
 
     def finalize(self) -> None:
         if self.role == "decode":
@@ -174,9 +173,16 @@ class _Responder:
     """Streams token windows (``stream`` true) or sends all tokens once; aborts on cancellation."""
 
     def __init__(
-        self, sender: object, stream: bool, loop: EngineLoop, metrics: _Metrics, stop: tuple[str, ...]
+        self,
+        sender: object,
+        stream: bool,
+        loop: EngineLoop,
+        metrics: _Metrics,
+        stop: tuple[str, ...],
+        tracer: Tracer | None,
     ) -> None:
         self.sender = sender
+        self.tracer = tracer
         self.stop = stop
         self.stream = stream
         self.loop = loop
@@ -199,6 +205,11 @@ class _Responder:
             self.sender.send(flags=FINAL)
             return
         now = time.monotonic()
+        if self.tracer is not None:
+            if self.first and out.new_token_ids:
+                self.tracer.mark(out.request_id, "first_token")
+            if out.finished:
+                self.tracer.finish(out.request_id, output_tokens=len(out.output_ids) or len(self.all_ids))
         if out.new_token_ids:
             (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
             self.metrics.generation_tokens.increment(len(out.new_token_ids))

@@ -6,12 +6,15 @@ LIBFABRIC (needs EFA hardware), VRAM registration (needs a GPU).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
 
 BACKENDS = ("UCX", "LIBFABRIC")
+log = logging.getLogger(__name__)
 
 
 class NixlTransport:
@@ -71,7 +74,10 @@ class NixlTransport:
             self._agent.release_xfer_handle(handle)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self._agent.send_notif(peer, msg)
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:  # NIXL raises its own error types; a dead peer must not kill the sender
+            log.warning("notification to %s lost: %s", peer, exc)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         return [(peer, m) for peer, msgs in self._agent.get_new_notifs().items() for m in msgs]

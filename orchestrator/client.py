@@ -1,0 +1,121 @@
+"""asyncio client of a deployment over Triton gRPC streaming (``stream_infer``), with token timestamps.
+
+``generate`` sends one request to the ``llm`` ensemble (text in, streamed text out);
+``generate_ids`` sends token ids to the ``decode`` model and returns the generated ids (used
+where there is no tokenizer, and to compare outputs token for token). Each call has its own
+stream, so concurrency is just ``asyncio.gather``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc.aio as aioclient
+from tritonclient.grpc import InferInput
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    sent: float  # time.time() when the request went out
+    pieces: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.time() of each non-empty piece
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.times[0] - self.sent if self.times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+
+
+def _tensor(name: str, value: np.ndarray, dtype: str) -> InferInput:
+    t = InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def llm_inputs(prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, **extra: float) -> list:
+    inputs = [
+        _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        _tensor("stream", np.array([stream]), "BOOL"),
+        _tensor("chat", np.array([chat]), "BOOL"),
+    ]
+    for name, value in extra.items():
+        dtype, np_type = ("FP32", np.float32) if isinstance(value, float) else ("INT32", np.int32)
+        inputs.append(_tensor(name, np.array([value], dtype=np_type), dtype))
+    return inputs
+
+
+async def _one(request: dict) -> AsyncIterator[dict]:
+    yield request
+
+
+async def generate(
+    client: aioclient.InferenceServerClient,
+    prompt: str,
+    max_tokens: int,
+    request_id: str,
+    chat: bool = False,
+    timeout_s: float = 600.0,
+    on_piece: Callable[[str], None] | None = None,
+) -> Completion:
+    """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival."""
+    req = {
+        "model_name": "llm",
+        "inputs": llm_inputs(prompt, max_tokens, True, chat),
+        "request_id": request_id,
+        "enable_empty_final_response": True,
+    }
+    done = Completion(request_id, time.time())
+    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
+        if error is not None:
+            done.error = str(error)
+            break
+        out = result.as_numpy("text_output")
+        piece = b"".join(out.reshape(-1)).decode("utf-8") if out is not None else ""
+        if piece:
+            done.pieces.append(piece)
+            done.times.append(time.time())
+            if on_piece is not None:
+                on_piece(piece)
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            break
+    return done
+
+
+async def generate_ids(
+    client: aioclient.InferenceServerClient,
+    prompt_ids: list[int],
+    max_tokens: int,
+    request_id: str,
+    timeout_s: float = 600.0,
+) -> Completion:
+    """All generated token ids of one request to the ``decode`` model (one response: stream=false)."""
+    inputs = [
+        _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
+        _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        _tensor("stream", np.array([False]), "BOOL"),
+    ]
+    req = {"model_name": "decode", "inputs": inputs, "request_id": request_id}
+    done = Completion(request_id, time.time())
+    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
+        if error is not None:
+            done.error = str(error)
+        else:
+            done.token_ids = [int(t) for t in result.as_numpy("output_ids").reshape(-1)]
+            done.times.append(time.time())
+        break
+    return done

@@ -1,0 +1,341 @@
+"""``disagg launch``: cluster config -> engines -> per-rank node configs -> ``mpirun`` MPMD -> supervision.
+
+``Launch.prepare`` builds missing engines, gives every group leader its ports (decode group 0
+takes the configured client-facing ports), writes one node config per rank, the Triton backend
+directory, a hostfile when hosts are listed, and ``launch.sh``: the exact ``mpirun`` command,
+runnable (and editable) by hand. ``Launch.start`` runs that script; ``wait_ready`` waits until
+every leader answers ``/v2/health/ready``; ``supervise`` watches every process of the run and,
+when one dies, names its rank, stops the rest, and returns. ``stop`` is the clean shutdown
+(SIGTERM to ``mpirun``, then SIGKILL to anything of this run still alive, found by the run id
+that every rank inherits in its environment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from builders import BuildOptions, build_engine
+from builders.build import default_engine_dir
+from orchestrator.cluster import ClusterConfig, RankSlot
+from orchestrator.node_config import NodeConfig
+from orchestrator.triton import NODE_CONFIG_ENV, REPO_ROOT, Ports, TritonInstall, backend_dir, port_free
+from torch_engine.config import EngineManifest, Role
+
+RUN_ID_ENV = "DISAGG_RUN_ID"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    slot: RankSlot
+    ports: Ports
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    script: Path
+    command: list[str]
+    leaders: list[Leader]
+    slots: list[RankSlot]
+    run_dir: Path
+
+    def endpoints(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for ld in self.leaders:
+            role = "prefill" if ld.slot.role is Role.PREFILL else "decode"
+            out[f"{role}{ld.slot.group}"] = {
+                "http": f"{ld.ports.http}",
+                "grpc": f"{ld.ports.grpc}",
+                "metrics": f"{ld.ports.metrics}",
+                "models": list(ld.models),
+            }
+        return out
+
+
+def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
+    """The engine of each role (built here if missing; cached by checkpoint fingerprint)."""
+    dirs: dict[Role, Path] = {}
+    roles = [(cfg.serving_role(), cfg.decode)] + ([(Role.PREFILL, cfg.prefill)] if cfg.prefill.count else [])
+    for role, spec in roles:
+        if spec.engine_dir is not None:
+            manifest = EngineManifest.load(spec.engine_dir)
+            if manifest.tp_size != spec.tp:
+                raise LaunchError(f"{spec.engine_dir} was built for TP {manifest.tp_size}, the config asks {spec.tp}")
+            dirs[role] = spec.engine_dir
+            continue
+        opts = BuildOptions(
+            role=role, tp_size=spec.tp, dtype=cfg.dtype, page_size=cfg.page_size, kv_layout=cfg.kv_layout
+        )
+        dirs[role] = build_engine(cfg.model, default_engine_dir(cfg.engine_cache, cfg.model, opts), opts, progress)
+    return dirs
+
+
+def _ports(cfg: ClusterConfig, leaders: list[RankSlot]) -> list[Ports]:
+    out = []
+    for i, slot in enumerate(leaders):
+        if slot.role is not Role.PREFILL and slot.group == 0:
+            out.append(Ports(cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
+        elif cfg.ports.internal_base is not None:
+            base = cfg.ports.internal_base + 3 * i
+            out.append(Ports(base, base + 1, base + 2))
+        else:
+            out.append(Ports.free(cfg.bind))
+    return out
+
+
+class Launch:
+    def __init__(self, cfg: ClusterConfig, run_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.run_dir).resolve()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.prepared: Prepared | None = None
+        self._watched: dict[int, int] = {}  # pid -> MPI rank
+
+    # -- rendering -----------------------------------------------------------------------
+    def prepare(self, install: TritonInstall | None = None, progress: bool = True) -> Prepared:
+        cfg = self.cfg
+        install = install or TritonInstall.find()
+        dirs = engine_dirs(cfg, progress)
+        for d in ("nodes", "logs", "traces"):
+            (self.run_dir / d).mkdir(parents=True, exist_ok=True)
+        backends = backend_dir(install, self.run_dir / "backends")
+        slots = cfg.rank_map()
+        leader_slots = [s for s in slots if s.is_leader]
+        ports = dict(zip([s.mpi_rank for s in leader_slots], _ports(cfg, leader_slots), strict=True))
+        leaders: list[Leader] = []
+        apps: list[list[str]] = []
+        env = self._environment(install)
+        for slot in slots:
+            node_path = self._write_node(slot, dirs[slot.role], ports.get(slot.mpi_rank))
+            pin = ["taskset", "-c", str(slot.core)] if slot.core is not None else []
+            if slot.is_leader:
+                models = self._models(slot, dirs[slot.role])
+                leaders.append(Leader(slot, ports[slot.mpi_rank], models))
+                argv = self._triton_argv(install, backends, ports[slot.mpi_rank], models, slot)
+            else:
+                argv = [sys.executable, "-m", "orchestrator.worker", str(node_path)]
+            apps.append(["-n", "1", "env", f"{NODE_CONFIG_ENV}={node_path}", *pin, *argv])
+        command = [str(Path(sys.executable).parent / "mpirun"), *self._mpi_flags(env)]
+        for i, app in enumerate(apps):
+            command += ([":"] if i else []) + app
+        script = self.run_dir / "launch.sh"
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+        body = " \\\n  ".join(shlex.quote(c) if c != ":" else ":" for c in command)
+        script.write_text(
+            "#!/bin/sh\n# Rendered by `disagg launch` from the cluster config; run or adapt it by hand.\n"
+            f"# Ranks: {', '.join(s.describe() for s in slots)}\n"
+            f"cd {shlex.quote(str(REPO_ROOT))}\n{exports}exec {body}\n",
+            encoding="utf-8",
+        )
+        script.chmod(0o755)
+        (self.run_dir / "endpoints.json").write_text(json.dumps(self._endpoints(leaders), indent=2), encoding="utf-8")
+        self.prepared = Prepared(script, command, leaders, slots, self.run_dir)
+        return self.prepared
+
+    def _endpoints(self, leaders: list[Leader]) -> dict[str, object]:
+        return Prepared(Path(), [], leaders, [], self.run_dir).endpoints() | {"bind": self.cfg.bind}
+
+    def _environment(self, install: TritonInstall) -> dict[str, str]:
+        """What every rank needs: the venv first on PATH (the Triton stub finds Python there), the
+        wheel's and the interpreter's libraries, and this run's id (to find its processes)."""
+        import sysconfig
+
+        venv_bin = str(Path(sys.executable).parent)
+        libs = [str(install.libs), sysconfig.get_config_var("LIBDIR") or ""]
+        return {
+            "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
+            "LD_LIBRARY_PATH": os.pathsep.join(p for p in [*libs, os.environ.get("LD_LIBRARY_PATH", "")] if p),
+            RUN_ID_ENV: self.run_id,
+            "OMP_NUM_THREADS": str(self.cfg.threads_per_rank),
+        }
+
+    def _mpi_flags(self, env: dict[str, str]) -> list[str]:
+        flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--output", "tag"]
+        if self.cfg.hosts:
+            hostfile = self.run_dir / "hostfile"
+            hostfile.write_text("\n".join(self.cfg.hosts) + "\n", encoding="utf-8")
+            flags += ["--hostfile", str(hostfile)]
+        for key in env:
+            flags += ["-x", key]
+        return flags
+
+    def _models(self, slot: RankSlot, engine_dir: Path) -> tuple[str, ...]:
+        if slot.role is Role.PREFILL:
+            return ("prefill",)
+        # the client-facing ensemble needs a tokenizer; a tokenizer-less engine serves token ids on `decode`
+        return ("llm",) if EngineManifest.load(engine_dir).has_tokenizer else ("decode",)
+
+    def _triton_argv(
+        self, install: TritonInstall, backends: Path, ports: Ports, models: tuple[str, ...], slot: RankSlot
+    ) -> list[str]:
+        host = self.cfg.bind
+        return [
+            str(install.binary),
+            f"--model-repository={REPO_ROOT / 'model_repo'}",
+            f"--backend-directory={backends}",
+            f"--http-address={host}",
+            f"--http-port={ports.http}",
+            f"--grpc-address={host}",
+            f"--grpc-port={ports.grpc}",
+            f"--metrics-address={host}",
+            f"--metrics-port={ports.metrics}",
+            "--allow-metrics=true",
+            "--log-verbose=0",
+            f"--log-file={self.run_dir / 'logs' / (slot.name + '.triton.log')}",
+            "--model-control-mode=explicit",
+            *(f"--load-model={m}" for m in models),
+        ]
+
+    def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
+        cfg, spec = self.cfg, self.cfg.spec(slot.role)
+        node = NodeConfig(
+            engine_dir=engine_dir,
+            num_pages=spec.num_pages,
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            max_prefill_chunk=cfg.scheduler.max_prefill_chunk,
+            num_threads=cfg.threads_per_rank,
+            max_tokens_limit=cfg.scheduler.max_tokens_limit,
+            agent_name=f"{self.run_id}-{slot.name}",
+            nixl_backend=cfg.transport.backend,
+            role=slot.role,
+            group=slot.group,
+            tp_rank=slot.tp_rank,
+            tp_size=slot.tp_size,
+            mpi_rank=slot.mpi_rank,
+            host=cfg.bind,
+            grpc_url=f"{cfg.bind}:{ports.grpc}" if ports is not None else None,
+            kv_timeout_s=cfg.timeouts.kv_transfer_s,
+            prefill_request_timeout_s=cfg.timeouts.prefill_request_s,
+            trace_path=self.run_dir / "traces" / f"{slot.name}.jsonl" if slot.is_leader else None,
+        )
+        path = self.run_dir / "nodes" / f"{slot.name}.yaml"
+        path.write_text(yaml.safe_dump(json.loads(node.model_dump_json())), encoding="utf-8")
+        return path
+
+    # -- running -------------------------------------------------------------------------
+    def start(self) -> None:
+        prepared = self.prepared or self.prepare()
+        for ld in prepared.leaders:
+            for name, port in (("http", ld.ports.http), ("grpc", ld.ports.grpc), ("metrics", ld.ports.metrics)):
+                if not self.cfg.hosts and not port_free(self.cfg.bind, port):
+                    raise LaunchError(f"{ld.slot.describe()}: {name} port {self.cfg.bind}:{port} is already in use")
+        log = (self.run_dir / "mpirun.log").open("wb")
+        self.proc = subprocess.Popen(
+            ["sh", str(prepared.script)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self) -> None:
+        """Until every leader is ready; a rank that dies first, or the startup timeout, is an error."""
+        assert self.prepared is not None and self.proc is not None
+        deadline = time.monotonic() + self.cfg.timeouts.startup_s
+        pending = list(self.prepared.leaders)
+        while pending:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"the deployment exited during start-up:\n{self.failure_report()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{self.failure_report()}")
+            pending = [ld for ld in pending if not _ready(self.cfg.bind, ld.ports.http)]
+            time.sleep(0.25)
+        self._watched = {pid: rank for pid, rank in run_processes(self.run_id).items()}
+
+    def supervise(self, poll_s: float = 0.5) -> str | None:
+        """Block until a watched process dies (returns the message naming its rank) or ``stop``."""
+        assert self.proc is not None
+        while self.proc is not None:
+            dead = self.dead_ranks()
+            if dead or self.proc.poll() is not None:
+                message = self._death_message(dead)
+                self.stop()
+                return message
+            time.sleep(poll_s)
+        return None
+
+    def dead_ranks(self) -> list[tuple[int, int]]:
+        """(pid, MPI rank) of processes of this run that were up at readiness and are gone now."""
+        alive = run_processes(self.run_id)
+        return [(pid, rank) for pid, rank in self._watched.items() if pid not in alive]
+
+    def _death_message(self, dead: list[tuple[int, int]]) -> str:
+        assert self.prepared is not None
+        by_rank = {s.mpi_rank: s for s in self.prepared.slots}
+        if dead:
+            names = sorted({by_rank[r].describe() for _, r in dead if r in by_rank})
+            pids = ", ".join(str(p) for p, _ in dead)
+            return f"deployment stopped: {'; '.join(names)} died (pid {pids})\n{self.failure_report()}"
+        return f"deployment stopped: mpirun exited\n{self.failure_report()}"
+
+    def failure_report(self, lines: int = 25) -> str:
+        log = self.run_dir / "mpirun.log"
+        text = log.read_text(encoding="utf-8", errors="replace").splitlines() if log.exists() else []
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> int | None:
+        """SIGTERM to mpirun (it takes its ranks down), then SIGKILL to any process of this run left."""
+        if self.proc is None:
+            return None
+        grace = self.cfg.timeouts.shutdown_s
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        deadline = time.monotonic() + grace / 2
+        while run_processes(self.run_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in run_processes(self.run_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        code, self.proc = self.proc.returncode, None
+        return code
+
+
+def _ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def run_processes(run_id: str) -> dict[int, int]:
+    """pid -> MPI rank of every process on this host whose environment carries this run id."""
+    found: dict[int, int] = {}
+    marker = f"{RUN_ID_ENV}={run_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if marker not in env or stat.rsplit(")", 1)[-1].split()[0] == "Z":
+            continue
+        rank = next((v for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None:
+            found[int(entry.name)] = int(rank.split(b"=", 1)[1])
+    return found
+

@@ -1,0 +1,102 @@
+"""``disagg launch CONFIG``: start a deployment, say where it listens, keep it up until Ctrl-C.
+
+With ``--demo PROMPT`` (what ``make serve`` does) one chat prompt goes through the client-facing
+decode group over Triton gRPC streaming once everything is ready, and the answer streams to the
+terminal with its TTFT and inter-token latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import statistics
+import sys
+from pathlib import Path
+
+from orchestrator.client import Completion, generate
+from orchestrator.cluster import ClusterConfig, ConfigError
+from orchestrator.launch import Launch, LaunchError, Prepared
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="cluster config (YAML); see configs/")
+    p.add_argument("--run-dir", type=Path, default=None, help="override the config's run_dir")
+    p.add_argument("--render-only", action="store_true", help="write the node configs and launch.sh, start nothing")
+    p.add_argument("--demo", default=None, help="once ready, stream the answer to this chat prompt")
+    p.add_argument("--max-tokens", type=int, default=96)
+
+
+def _say(msg: str) -> None:
+    print(f"[disagg] {msg}", file=sys.stderr, flush=True)
+
+
+def _describe(cfg: ClusterConfig, prepared: Prepared) -> None:
+    for name, ep in prepared.endpoints().items():
+        assert isinstance(ep, dict)
+        _say(
+            f"{name}: http {cfg.bind}:{ep['http']}  grpc {cfg.bind}:{ep['grpc']}  "
+            f"metrics http://{cfg.bind}:{ep['metrics']}/metrics  models {','.join(ep['models'])}"
+        )
+
+
+async def _demo(url: str, prompt: str, max_tokens: int) -> Completion:
+    import tritonclient.grpc.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url)
+    try:
+
+        def show(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=show)
+    finally:
+        await client.close()
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        cfg = ClusterConfig.load(a.config)
+    except ConfigError as exc:
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        return 2
+    launch = Launch(cfg, a.run_dir)
+    _say(f"building engines and rendering the deployment in {launch.run_dir}")
+    prepared = launch.prepare()
+    _say(f"mpirun script: {prepared.script}")
+    if a.render_only:
+        return 0
+    try:
+        launch.start()
+        _say(f"starting {len(prepared.slots)} ranks: " + "; ".join(s.describe() for s in prepared.slots))
+        launch.wait_ready()
+        _say("ready")
+        _describe(cfg, prepared)
+        if a.demo:
+            front = prepared.leaders[0]
+            _say(f"> {a.demo}")
+            done = asyncio.run(_demo(f"{cfg.bind}:{front.ports.grpc}", a.demo, a.max_tokens))
+            print(flush=True)
+            if done.error:
+                _say(f"demo request failed: {done.error}")
+            elif done.ttft is not None:
+                itl = done.itls
+                med = f"{1000 * statistics.median(itl):.1f} ms median, {1000 * max(itl):.1f} ms max" if itl else "n/a"
+                _say(f"TTFT {1000 * done.ttft:.0f} ms; ITL {med} over {len(done.times)} streamed pieces")
+        _say(f"serving; Ctrl-C stops everything (logs in {launch.run_dir / 'logs'})")
+        message = launch.supervise()
+        if message:
+            print(f"disagg: error: {message}", file=sys.stderr)
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        _say("shutting down")
+        launch.stop()
+        _say("stopped")
+        return 0
+    except LaunchError as exc:
+        launch.stop()
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,80 @@
+"""Start a real deployment (``disagg launch``'s code path: engines, node configs, mpirun, Triton) in a test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import tritonclient.grpc.aio as aioclient
+
+from orchestrator.client import Completion, generate, generate_ids
+from orchestrator.cluster import ClusterConfig
+from orchestrator.launch import Launch, run_processes
+from orchestrator.triton import free_port
+
+
+def cluster(tmp: Path, **fields: object) -> ClusterConfig:
+    """A cluster config on free ports with the test's engine cache and run dir."""
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    base = {
+        "ports": {"http": http, "grpc": grpc, "metrics": metrics},
+        "engine_cache": str(tmp / "engines"),
+        "run_dir": str(tmp / "run"),
+        "timeouts": {"startup_s": 240, "kv_transfer_s": 60, "shutdown_s": 20},
+    }
+    return ClusterConfig.parse(base | fields)
+
+
+@contextlib.contextmanager
+def deployed(cfg: ClusterConfig) -> Iterator[Launch]:
+    launch = Launch(cfg)
+    launch.prepare(progress=False)
+    launch.start()
+    try:
+        launch.wait_ready()
+        yield launch
+    finally:
+        launch.stop()
+        left = run_processes(launch.run_id)
+        assert not left, f"processes left behind: {left}"
+
+
+def grpc_url(launch: Launch, decode_group: int = 0) -> str:
+    assert launch.prepared is not None
+    from torch_engine.config import Role
+
+    leader = next(
+        ld for ld in launch.prepared.leaders if ld.slot.role is not Role.PREFILL and ld.slot.group == decode_group
+    )
+    return f"{launch.cfg.bind}:{leader.ports.grpc}"
+
+
+def run_ids(url: str, prompts: list[list[int]], max_tokens: int, tag: str = "r") -> list[Completion]:
+    """Concurrent token-id requests to one decode group's ``decode`` model."""
+
+    async def go() -> list[Completion]:
+        client = aioclient.InferenceServerClient(url)
+        try:
+            jobs = [generate_ids(client, p, max_tokens, f"{tag}{i}") for i, p in enumerate(prompts)]
+            return list(await asyncio.gather(*jobs))
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def run_texts(url: str, prompts: list[str], max_tokens: int) -> list[Completion]:
+    """Concurrent streamed text requests to ``llm``."""
+
+    async def go() -> list[Completion]:
+        client = aioclient.InferenceServerClient(url)
+        try:
+            return list(
+                await asyncio.gather(*(generate(client, p, max_tokens, f"t{i}") for i, p in enumerate(prompts)))
+            )
+        finally:
+            await client.close()
+
+    return asyncio.run(go())

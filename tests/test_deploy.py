@@ -1,0 +1,162 @@
+"""End-to-end deployments launched through mpirun, as ``disagg launch`` does (orchestrator issue).
+
+Every test starts its own deployment on free 127.0.0.1 ports and checks on the way out that no
+process of the run is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launch import Launch, run_processes
+from orchestrator.triton import port_free
+from tests.deploy_harness import cluster, deployed, grpc_url, run_ids, run_texts
+from tests.helpers import tiny_engine
+from tests.test_engine_equivalence import prompt_of
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SCHED = {"max_num_seqs": 16, "max_num_batched_tokens": 16, "max_prefill_chunk": 8}
+PROMPTS = [prompt_of(n, n) for n in (2, 5, 9, 17, 23, 31, 40, 57)]
+
+
+def tiny_cfg(tmp: Path, engine_dir, kind: str, prefill_tp: int, decode_tp: int, decode_groups: int = 1):
+    return cluster(
+        tmp,
+        mode="disaggregated",
+        prefill={"count": 1, "tp": prefill_tp, "engine_dir": str(engine_dir(kind, prefill_tp)), "num_pages": 256},
+        decode={
+            "count": decode_groups,
+            "tp": decode_tp,
+            "engine_dir": str(engine_dir(kind, decode_tp)),
+            "num_pages": 256,
+        },
+        page_size=4,
+        scheduler=SCHED,
+    )
+
+
+def reference(engine_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return tiny_engine(engine_dir).generate(prompts, SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp"), [("llama", 2, 1), ("llama", 1, 2), ("deepseek_v3", 2, 1)])
+def test_tp_mismatch_equals_colocated_tp1(
+    kind: str, prefill_tp: int, decode_tp: int, tiny_engine_dir, tmp_path
+) -> None:
+    want = reference(tiny_engine_dir(kind, 1), PROMPTS, 12)
+    with deployed(tiny_cfg(tmp_path, tiny_engine_dir, kind, prefill_tp, decode_tp)) as launch:
+        got = run_ids(grpc_url(launch), PROMPTS, 12)
+    assert [c.error for c in got] == [None] * len(PROMPTS)
+    assert [c.token_ids for c in got] == want
+
+
+def test_two_decode_groups_share_one_prefill_group(tiny_engine_dir, tmp_path) -> None:
+    want = reference(tiny_engine_dir("llama", 1), PROMPTS, 10)
+    with deployed(tiny_cfg(tmp_path, tiny_engine_dir, "llama", 1, 1, decode_groups=2)) as launch:
+        import asyncio
+
+        import tritonclient.grpc.aio as aioclient
+
+        from orchestrator.client import generate_ids
+
+        async def go():
+            clients = [aioclient.InferenceServerClient(grpc_url(launch, g)) for g in (0, 1)]
+            try:  # interleaved: request i goes to decode group i % 2, all at once
+                jobs = [generate_ids(clients[i % 2], p, 10, f"i{i}") for i, p in enumerate(PROMPTS)]
+                return await asyncio.gather(*jobs)
+            finally:
+                for c in clients:
+                    await c.close()
+
+        got = asyncio.run(go())
+        traces = sorted((launch.run_dir / "traces").glob("*.jsonl"))
+    assert [c.error for c in got] == [None] * len(PROMPTS)
+    assert [c.token_ids for c in got] == want
+    assert {t.name for t in traces} >= {"decode0.tp0.jsonl", "decode1.tp0.jsonl", "prefill0.tp0.jsonl"}
+
+
+def test_smollm2_disaggregated_equals_colocated_equals_engine(smollm2_dir: Path, tmp_path: Path) -> None:
+    """8 concurrent requests of different lengths, greedy fp32, over Triton gRPC streaming."""
+    texts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "List three prime numbers:",
+        "Once upon a time, in a small village by the mountains, there lived an old clockmaker who",
+        "Explain in one sentence what a KV cache is.",
+        "1, 2, 3, 4,",
+        "Translate 'good morning' into Spanish:",
+        "The quick brown fox jumps over the lazy dog. " * 6 + "Summarise that.",
+    ]
+    n = 16
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=512, max_num_seqs=8))
+    tok = engine.tokenizer
+    assert tok is not None
+    want_ids = engine.generate([tok.encode(t) for t in texts], SamplingParams(max_tokens=n))
+    want_text = [tok.decode(ids) for ids in want_ids]
+    common = {"prefill": {"count": 0}, "decode": {"engine_dir": str(smollm2_dir), "num_pages": 512}}
+    results = {}
+    for mode in ("disaggregated", "colocated"):
+        fields = dict(common, mode=mode)
+        if mode == "disaggregated":
+            fields["prefill"] = {"count": 1, "engine_dir": str(smollm2_dir), "num_pages": 512}
+        with deployed(cluster(tmp_path / mode, **fields)) as launch:
+            url = grpc_url(launch)
+            streamed = run_texts(url, texts, n)
+            ids = run_ids(url, [tok.encode(t) for t in texts], n)
+        results[mode] = ([c.text for c in streamed], [c.token_ids for c in ids], [c.error for c in streamed + ids])
+    for mode, (got_text, got_ids, errors) in results.items():
+        assert errors == [None] * 16, mode
+        assert got_ids == want_ids, mode
+        assert got_text == want_text, mode
+
+
+def test_killing_a_prefill_rank_stops_the_deployment(tiny_engine_dir, tmp_path) -> None:
+    cfg = tiny_cfg(tmp_path, tiny_engine_dir, "llama", 2, 1)
+    launch = Launch(cfg)
+    launch.prepare(progress=False)
+    launch.start()
+    try:
+        launch.wait_ready()
+        assert run_ids(grpc_url(launch), PROMPTS[:2], 4)[0].error is None
+        victim = next(
+            pid
+            for pid, rank in run_processes(launch.run_id).items()
+            if rank == 2 and b"orchestrator.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )  # MPI rank 2 = prefill group 0 TP rank 1 (decode group first)
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        message = launch.supervise(poll_s=0.2)
+        took = time.monotonic() - start
+    finally:
+        launch.stop()
+    assert message is not None and "prefill group 0 TP rank 1 (MPI rank 2)" in message, message
+    assert took < 30
+    assert run_processes(launch.run_id) == {}
+    assert all(port_free(cfg.bind, p) for p in (cfg.ports.http, cfg.ports.grpc))
+
+
+def test_generated_mpirun_script_runs_on_its_own(tiny_engine_dir, tmp_path) -> None:
+    cfg = tiny_cfg(tmp_path, tiny_engine_dir, "llama", 1, 1)
+    launch = Launch(cfg)
+    prepared = launch.prepare(progress=False)
+    proc = subprocess.Popen(
+        ["sh", str(prepared.script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    launch.proc = proc  # adopt it, so that the launcher's readiness wait and shutdown apply
+    try:
+        launch.wait_ready()
+        got = run_ids(grpc_url(launch), PROMPTS[:3], 6)
+    finally:
+        launch.stop()
+    assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), PROMPTS[:3], 6)
+    assert run_processes(launch.run_id) == {}
