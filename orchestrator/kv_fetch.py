@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Reply:
+class Reply:
     group: int
     request_id: str
     epoch: int
@@ -55,7 +57,7 @@ class _Pending:
 class PrefillCaller:
     """Async Triton gRPC calls to one prefill group's ``prefill`` model; replies go to a queue."""
 
-    def __init__(self, group: PrefillGroup, timeout_s: float, replies: queue.Queue[_Reply]) -> None:
+    def __init__(self, group: PrefillGroup, timeout_s: float, replies: queue.Queue[Reply]) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self.replies = replies
@@ -69,17 +71,26 @@ class PrefillCaller:
         try:
             self.client.async_infer("prefill", [inp], done, outputs=[out], client_timeout=self.timeout_s)
         except InferenceServerException as exc:
-            self.replies.put(_Reply(self.group.group, req.request_id, req.epoch, None, str(exc)))
+            self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, str(exc)))
 
     def _done(self, request_id: str, epoch: int, result: object, error: InferenceServerException | None) -> None:
         if error is not None:
-            self.replies.put(_Reply(self.group.group, request_id, epoch, None, str(error)))
+            self.replies.put(Reply(self.group.group, request_id, epoch, None, str(error)))
             return
         load = result.as_numpy("load_tokens")  # type: ignore[attr-defined]
-        self.replies.put(_Reply(self.group.group, request_id, epoch, int(load.reshape(-1)[0]), None))
+        self.replies.put(Reply(self.group.group, request_id, epoch, int(load.reshape(-1)[0]), None))
 
     def close(self) -> None:
         self.client.close()
+
+
+class Caller(Protocol):
+    def call(self, req: PrefillRequest) -> None: ...
+
+    def close(self) -> None: ...
+
+
+CallerFactory = Callable[[PrefillGroup, float, "queue.Queue[Reply]"], Caller]
 
 
 class KVFetcher:
@@ -91,6 +102,7 @@ class KVFetcher:
         kv_timeout_s: float,
         call_timeout_s: float,
         tracer: Tracer | None = None,
+        caller: CallerFactory | None = None,
     ) -> None:
         if not groups:
             raise ValueError("a disaggregated decode node needs at least one prefill group")
@@ -99,8 +111,9 @@ class KVFetcher:
         self.groups = groups
         self.router = Router(len(groups))
         self.tracer = tracer
-        self._replies: queue.Queue[_Reply] = queue.Queue()
-        self.callers = [PrefillCaller(g, call_timeout_s, self._replies) for g in groups]
+        self._replies: queue.Queue[Reply] = queue.Queue()
+        make = caller or PrefillCaller
+        self.callers = [make(g, call_timeout_s, self._replies) for g in groups]
         self._pending: dict[str, _Pending] = {}
 
     # -- KVSource ------------------------------------------------------------------------
@@ -113,7 +126,11 @@ class KVFetcher:
             raise InvalidRequestError(str(exc)) from None
         if self.tracer is not None:
             self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
-        req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=self.groups[g].agents)
+        try:
+            agents = self.groups[g].agents
+            req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=agents)
+        except ValueError as exc:
+            raise InvalidRequestError(f"request {request_id}: {exc}") from None
         self._pending[request_id] = _Pending(g, req.epoch, len(prompt_ids) - 1, {g})
         self._send(g, req)
         return True

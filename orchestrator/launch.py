@@ -139,7 +139,8 @@ class Launch:
             command += ([":"] if i else []) + app
         script = self.run_dir / "launch.sh"
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-        body = " \\\n  ".join(shlex.quote(c) if c != ":" else ":" for c in command)
+        head = shlex.join(command[: len(command) - sum(len(a) for a in apps) - (len(apps) - 1)])
+        body = head + "".join(f" \\\n  {': ' if i else ''}{shlex.join(app)}" for i, app in enumerate(apps))
         script.write_text(
             "#!/bin/sh\n# Rendered by `disagg launch` from the cluster config; run or adapt it by hand.\n"
             f"# Ranks: {', '.join(s.describe() for s in slots)}\n"

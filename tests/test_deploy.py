@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,13 @@ def tiny_cfg(tmp: Path, engine_dir, kind: str, prefill_tp: int, decode_tp: int, 
         page_size=4,
         scheduler=SCHED,
     )
+
+
+def page_metric(port: int, state: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("disagg_kv_pages") and f'state="{state}"' in x)
+    return float(line.rsplit(" ", 1)[1])
 
 
 def reference(engine_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -79,6 +87,15 @@ def test_two_decode_groups_share_one_prefill_group(tiny_engine_dir, tmp_path) ->
                     await c.close()
 
         got = asyncio.run(go())
+        # bad input on a disaggregated decode node: a clear error, nothing leaks, it keeps serving
+        bad = run_ids(grpc_url(launch), [[1, 2, 10**6]], 4, tag="bad") + run_ids(grpc_url(launch), [[3, 4]], 0)
+        assert "outside the vocabulary" in (bad[0].error or "") and "max_tokens" in (bad[1].error or "")
+        assert run_ids(grpc_url(launch), PROMPTS[:1], 10, tag="after")[0].token_ids == want[0]
+        metrics = launch.prepared.leaders[0].ports.metrics
+        deadline = time.monotonic() + 10
+        while page_metric(metrics, "used") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert page_metric(metrics, "used") == 0 and page_metric(metrics, "pinned") == 0
         traces = sorted((launch.run_dir / "traces").glob("*.jsonl"))
     assert [c.error for c in got] == [None] * len(PROMPTS)
     assert [c.token_ids for c in got] == want

@@ -122,6 +122,11 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._pass()
+        except Exception as exc:  # a bug or a dead peer: no request may hang on a loop that is gone
+            log.exception("the engine loop stopped")
+            for rid in list(self._callbacks):
+                self._finish(rid, RequestOutput(rid, [], [], True, FinishReason.ERROR, f"engine loop stopped: {exc}"))
+            raise
         finally:
             if self.on_exit is not None:
                 self.on_exit()
