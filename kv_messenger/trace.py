@@ -1,7 +1,8 @@
 """Per-request server-side timestamps, one JSON line per request (for the serving benchmark).
 
-Decode nodes mark ``arrived`` / ``sent`` / ``kv_ready`` / ``first_token`` / ``finished``; prefill
-nodes mark ``received`` / ``prefilled`` / ``kv_sent``. Times are wall-clock seconds
+Decode nodes mark ``arrived`` / ``sent`` / ``kv_ready`` / ``scheduled`` / ``first_token`` /
+``finished``; prefill nodes mark ``received`` / ``scheduled`` / ``prefilled`` / ``kv_sent``
+(``scheduled``: the first engine step the request takes part in). Times are wall-clock seconds
 (``time.time()``) so that lines written by different processes can be joined by request id.
 """
 
@@ -11,6 +12,8 @@ import json
 import threading
 import time
 from pathlib import Path
+
+from torch_engine.scheduler import SchedulerOutput
 
 
 class Tracer:
@@ -40,3 +43,20 @@ def read_trace(path: Path) -> list[dict[str, object]]:
     if not Path(path).exists():
         return []
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class TraceObserver:
+    """Engine step observer: marks ``scheduled`` the first time a request runs in a step."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self._seen: set[str] = set()
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        for c in sched.chunks:
+            rid = c.request.request_id
+            if rid not in self._seen:
+                self._seen.add(rid)
+                self.tracer.mark(rid, "scheduled")
+        if len(self._seen) > 100_000:  # ids of long-finished requests
+            self._seen.clear()

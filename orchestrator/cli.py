@@ -128,6 +128,12 @@ def cmd_bench_transfer(a: argparse.Namespace) -> int:
     return run_transfer_bench(a, _engine_dir)
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from orchestrator.bench_serve import run_serve_bench
+
+    return run_serve_bench(a)
+
+
 def cmd_launch(a: argparse.Namespace) -> int:
     from orchestrator.launch_cli import run
 
@@ -190,7 +196,29 @@ def main(argv: list[str] | None = None) -> int:
     bt.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
     bt.set_defaults(fn=cmd_bench_transfer)
 
+    bs = bsub.add_parser("serve", help="colocated vs disaggregated deployments on equal hardware: TTFT, ITL, goodput")
+    bs.add_argument("--model", default="smollm2")
+    bs.add_argument("--engine", type=Path, default=None, help="use this (fp32, TP 1) engine directory")
+    bs.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    bs.add_argument("--workloads", nargs="+", default=["prefill-heavy", "decode-heavy", "chat"],
+                    choices=["prefill-heavy", "decode-heavy", "chat"])  # fmt: skip
+    bs.add_argument("--requests", type=int, default=16, help="requests per rate point (the same file for both modes)")
+    bs.add_argument("--rates", type=float, nargs="+", default=None, help="request rates (req/s); default: multiples")
+    bs.add_argument("--rate-multiples", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5],
+                    help="of the estimated colocated saturation rate")  # fmt: skip
+    bs.add_argument("--prefill-ratio", type=float, default=10.0, help="prefill-heavy: prefill time / decode step")
+    bs.add_argument("--calibrate-lengths", type=int, nargs="+", default=[128, 160, 192, 224, 256, 320, 384, 512])
+    bs.add_argument("--chunk", type=int, default=128, help="token budget per step (chunked prefill)")
+    bs.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="the two cores both modes get")
+    bs.add_argument("--idle-requests", type=int, default=3, help="serial requests for the idle SLO baseline")
+    bs.add_argument("--max-seconds", type=float, default=150.0, help="bound on one rate point")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--out", type=Path, default=Path("runs/bench_serve"))
+    bs.add_argument("--json", type=Path, default=None, help="every figure and ratio (default OUT/bench_serve.json)")
+    bs.set_defaults(fn=cmd_bench_serve)
+
     a = parser.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(a.fn(a))
     except (BuildError, InvalidRequestError, FileNotFoundError) as exc:

@@ -45,17 +45,16 @@ def _tensor(name: str, value: np.ndarray, dtype: str) -> InferInput:
     return t
 
 
-def llm_inputs(prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, **extra: float) -> list:
-    inputs = [
+def llm_inputs(
+    prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, ignore_eos: bool = False
+) -> list[InferInput]:
+    return [
         _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
         _tensor("stream", np.array([stream]), "BOOL"),
         _tensor("chat", np.array([chat]), "BOOL"),
+        _tensor("ignore_eos", np.array([ignore_eos]), "BOOL"),
     ]
-    for name, value in extra.items():
-        dtype, np_type = ("FP32", np.float32) if isinstance(value, float) else ("INT32", np.int32)
-        inputs.append(_tensor(name, np.array([value], dtype=np_type), dtype))
-    return inputs
 
 
 async def _one(request: dict) -> AsyncIterator[dict]:
@@ -70,11 +69,12 @@ async def generate(
     chat: bool = False,
     timeout_s: float = 600.0,
     on_piece: Callable[[str], None] | None = None,
+    ignore_eos: bool = False,
 ) -> Completion:
     """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival."""
     req = {
         "model_name": "llm",
-        "inputs": llm_inputs(prompt, max_tokens, True, chat),
+        "inputs": llm_inputs(prompt, max_tokens, True, chat, ignore_eos),
         "request_id": request_id,
         "enable_empty_final_response": True,
     }

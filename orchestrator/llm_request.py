@@ -26,6 +26,7 @@ _KINDS = {
     "beam_width": "i",
     "stream": "b",
     "chat": "b",
+    "ignore_eos": "b",
 }
 
 
@@ -96,6 +97,7 @@ def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, 
         seed=int(seed) if seed is not None else None,  # type: ignore[call-overload]
         stop_token_ids=(int(end_id),) if end_id is not None else (),  # type: ignore[call-overload]
         stop=parse_stop_words(get),
+        ignore_eos=bool(_scalar(get, "ignore_eos") or False),
     )
     params.validate()
     return params, bool(_scalar(get, "stream") or False)

@@ -14,7 +14,7 @@ import logging
 from kv_messenger.prefill_server import DoneHook, PrefillServer
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.tp_group import run_follower
-from kv_messenger.trace import Tracer
+from kv_messenger.trace import TraceObserver, Tracer
 from kv_messenger.transport.nixl import NixlTransport
 from orchestrator.kv_fetch import KVFetcher
 from orchestrator.node_config import NodeConfig
@@ -37,6 +37,8 @@ def decode_loop(node: NodeConfig, on_step: StepHook | None = None) -> tuple[Engi
     if node.mpi_rank is None:
         return EngineLoop(LLMEngine(node.engine_config()), on_step=on_step), tracer
     rank = bootstrap(node)
+    if tracer is not None:
+        rank.engine.observers.append(TraceObserver(tracer))
     assert rank.channel is not None
     kv = None
     if node.role is Role.DECODE:
@@ -60,6 +62,8 @@ def prefill_server(node: NodeConfig, on_done: DoneHook | None = None) -> Prefill
     rank = bootstrap(node)
     assert rank.channel is not None
     side, tracer = rank.prefill_side(), _tracer(node)
+    if tracer is not None:
+        rank.engine.observers.append(TraceObserver(tracer))
     return PrefillServer(rank.engine, side, on_done=on_done, on_exit=rank.channel.stop, tracer=tracer)
 
 

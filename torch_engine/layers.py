@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, RoPE tables, rotation, SiLU-gated MLP."""
+"""Building blocks shared by the model families: Linear, RMSNorm, RoPE tables, rotation, SiLU-gated MLP."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from torch import nn
 
 from torch_engine.config import ModelConfig, RopeScaling
 from torch_engine.parallel import TPGroup
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that pads 2- and 3-row inputs to 4 rows on the CPU.
+
+    Measured here (MKL fp32, one thread): a 2-row GEMM costs 2.4x a 1-row GEMV and a 3-row one
+    3.7x, while 4 rows cost 2.4x (49152 x 576 weights); whole decode steps at batch 2 took
+    100 ms against 88 ms at batch 4. Padding makes small decode batches no slower than four.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if rows in (2, 3) and x.device.type == "cpu":
+            return F.linear(F.pad(x, (0, 0, 0, 4 - rows)), self.weight, self.bias)[:rows]
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -105,8 +120,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, local_intermediate: int, tp: TPGroup, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * local_intermediate, bias=False)
-        self.down = nn.Linear(local_intermediate, hidden, bias=False)
+        self.gate_up = Linear(hidden, 2 * local_intermediate, bias=False)
+        self.down = Linear(local_intermediate, hidden, bias=False)
         self.tp = tp
         self.reduce = reduce
 

@@ -11,7 +11,7 @@ from torch_engine.attention import AttentionMetadata
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
-from torch_engine.layers import RMSNorm
+from torch_engine.layers import Linear, RMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -42,7 +42,7 @@ class CausalLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([layer(i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 

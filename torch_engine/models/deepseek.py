@@ -15,7 +15,7 @@ from torch import nn
 from torch_engine.attention import AttentionMetadata, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
-from torch_engine.layers import GatedMLP, RMSNorm, apply_rope, mla_softmax_scale
+from torch_engine.layers import GatedMLP, Linear, RMSNorm, apply_rope, mla_softmax_scale
 from torch_engine.models.decoder import CausalLM, DecoderLayer
 from torch_engine.parallel import TPGroup
 
@@ -29,15 +29,15 @@ class MLAttention(nn.Module):
         self.rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, self.h * qk, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, self.h * qk, bias=False)
         else:
-            self.q_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b = nn.Linear(cfg.q_lora_rank, self.h * qk, bias=False)
-        self.kv_a = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=cfg.attention_bias)
+            self.q_b = Linear(cfg.q_lora_rank, self.h * qk, bias=False)
+        self.kv_a = Linear(cfg.hidden_size, self.rank + self.rope, bias=cfg.attention_bias)
         self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps)
-        self.kv_b = nn.Linear(self.rank, self.h * (self.nope + self.vd), bias=False)
-        self.o = nn.Linear(self.h * self.vd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_b = Linear(self.rank, self.h * (self.nope + self.vd), bias=False)
+        self.o = Linear(self.h * self.vd, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = mla_softmax_scale(cfg)
         self.interleave = cfg.rope_interleave
         self.lora_q = cfg.q_lora_rank is not None
@@ -71,7 +71,7 @@ class MoE(nn.Module):
         super().__init__()
         e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size // tp.size
         self.cfg = cfg
-        self.router = nn.Linear(cfg.hidden_size, e, bias=False)
+        self.router = Linear(cfg.hidden_size, e, bias=False)
         self.router_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * inter, cfg.hidden_size), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(e, cfg.hidden_size, inter), requires_grad=False)

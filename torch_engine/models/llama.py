@@ -12,7 +12,7 @@ from torch import nn
 from torch_engine.attention import AttentionMetadata, decode_attention, paged_attention
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
-from torch_engine.layers import GatedMLP, RMSNorm, apply_rope
+from torch_engine.layers import GatedMLP, Linear, RMSNorm, apply_rope
 from torch_engine.models.decoder import CausalLM, DecoderLayer
 from torch_engine.parallel import TPGroup
 
@@ -28,8 +28,8 @@ class LlamaAttention(nn.Module):
         self.hq = cfg.num_heads // tp.size
         self.hkv = local_kv_heads(cfg, tp.size)
         self.d = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.d**-0.5
