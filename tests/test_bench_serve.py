@@ -1,0 +1,97 @@
+"""``disagg bench serve``: the metrics arithmetic, the workloads, and one small real run of both modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.bench_serve import PointSummary, goodput, pct, summarize, ttft_splits
+from orchestrator.bench_workload import Workload, make_requests, poisson_arrivals
+from orchestrator.cli import main
+from orchestrator.client import Completion
+from torch_engine.tokenizer import Tokenizer
+
+
+def completion(rid: str, sent: float, times: list[float], error: str | None = None) -> Completion:
+    c = Completion(rid, sent)
+    c.times, c.pieces, c.error = times, ["x"] * len(times), error
+    return c
+
+
+def test_percentiles_and_point_summary() -> None:
+    assert pct([], 50) is None
+    assert pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    done = [
+        completion("a", 0.0, [0.5, 0.6, 0.7, 0.8]),  # TTFT 0.5, TPOT 0.1: inside both SLOs
+        completion("b", 0.0, [2.5, 2.6, 2.7]),  # TTFT too long
+        completion("c", 0.0, [0.4, 1.4]),  # TPOT 1.0: too slow; a 1 s stall
+        completion("d", 0.0, [], "not finished within the 10 s bound"),
+    ]
+    p = summarize("colocated", Workload.CHAT, 1.0, done, wall=10.0, slo=(1.0, 0.2), splits={})
+    assert p.requests == 4 and p.errors == 1
+    assert p.slo_attainment == 0.25  # only "a"; the error counts as a miss
+    assert p.ttft_p50 == 0.5 and p.max_stall == pytest.approx(1.0)
+    assert p.throughput_tok_s == pytest.approx(0.9)  # 9 streamed pieces in 10 s
+    assert p.tpot_p99 == pytest.approx(1.0)
+
+
+def test_goodput_is_the_highest_rate_with_90_percent_inside_the_slos() -> None:
+    def pt(mode: str, rate: float, att: float) -> PointSummary:
+        p = summarize(mode, Workload.CHAT, rate, [], 1.0, (1.0, 1.0), {})
+        p.slo_attainment = att
+        return p
+
+    pts = [pt("colocated", 0.5, 1.0), pt("colocated", 1.0, 0.91), pt("colocated", 2.0, 0.5)]
+    pts.append(pt("disaggregated", 0.5, 0.8))
+    assert goodput(pts, "colocated", "chat") == 1.0
+    assert goodput(pts, "disaggregated", "chat") == 0.0
+
+
+def test_ttft_split_from_traces(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    dec = {"request_id": "w-1#9", "arrived": 10.0, "sent": 10.01, "kv_ready": 11.2, "scheduled": 11.21,
+           "first_token": 11.3}  # fmt: skip
+    pre = {"request_id": "w-1#9", "received": 10.02, "scheduled": 10.1, "prefilled": 11.1, "kv_sent": 11.15}
+    (traces / "decode0.tp0.jsonl").write_text(json.dumps(dec) + "\n", encoding="utf-8")
+    (traces / "prefill0.tp0.jsonl").write_text(json.dumps(pre) + "\n", encoding="utf-8")
+    s = ttft_splits(tmp_path, "w")["w-1"]
+    assert (s.queue, s.prefill, s.transfer, s.handover) == pytest.approx((0.1, 1.0, 0.1, 0.1))
+    colo = {"request_id": "c-2#1", "arrived": 5.0, "scheduled": 5.5, "first_token": 6.0}
+    (traces / "decode1.tp0.jsonl").write_text(json.dumps(colo) + "\n", encoding="utf-8")
+    s = ttft_splits(tmp_path, "c")["c-2"]
+    assert (s.queue, s.prefill, s.transfer, s.handover) == pytest.approx((0.5, 0.5, 0.0, 0.0))
+
+
+def test_workloads_are_seeded_and_shaped(smollm2_dir: Path) -> None:
+    tok = Tokenizer(smollm2_dir)
+    a = make_requests(tok, Workload.PREFILL_HEAVY, 4, 200, seed=1)
+    assert a == make_requests(tok, Workload.PREFILL_HEAVY, 4, 200, seed=1)
+    assert a != make_requests(tok, Workload.PREFILL_HEAVY, 4, 200, seed=2)
+    assert all(180 <= r.prompt_tokens <= 200 and 64 <= r.max_tokens <= 128 for r in a)
+    d = make_requests(tok, Workload.DECODE_HEAVY, 4, 200, seed=1)
+    assert all(r.prompt_tokens <= 48 and r.max_tokens >= 128 for r in d)
+    arr = poisson_arrivals(200, 2.0, seed=3)
+    assert arr == poisson_arrivals(200, 2.0, seed=3) and arr[0] == 0.0
+    assert 60 < arr[-1] < 140  # ~200 arrivals at 2/s
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_both_modes_and_writes_everything(smollm2_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    args = ["bench", "serve", "--engine", str(smollm2_dir), "--workloads", "prefill-heavy", "--requests", "3",
+            "--rates", "0.3", "--idle-requests", "2", "--calibrate-lengths", "48", "96", "--max-seconds", "120",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((out / "bench_serve.json").read_text(encoding="utf-8"))
+    points = report["points"]
+    assert {p["mode"] for p in points} == {"colocated", "disaggregated"}
+    assert all(p["errors"] == 0 and p["ttft_p50"] > 0 and p["itl_p99"] > 0 for p in points)
+    disagg = next(p for p in points if p["mode"] == "disaggregated")
+    assert disagg["split_prefill"] > 0 and disagg["split_transfer"] is not None  # traces joined across nodes
+    assert set(report["targets"]) >= {"goodput_ratio_prefill_heavy", "p99_itl_ratio_prefill_heavy"}
+    for name in ("bench_serve.csv", "slo-attainment-prefill-heavy.png", "itl-cdf-prefill-heavy.png",
+                 "ttft-breakdown-prefill-heavy.png", "requests-prefill-heavy.jsonl"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
