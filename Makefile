@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-engine bench-transfer clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,15 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The serving benchmark (colocated vs disaggregated, ~30 min here); the engine and transfer ones.
 bench: setup
+	$(VENV)/bin/disagg bench serve --out runs/bench_serve
+
+bench-engine: setup
 	$(VENV)/bin/disagg bench engine --json runs/bench_engine.json
+
+bench-transfer: setup
+	$(VENV)/bin/disagg bench transfer --json runs/bench_transfer.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
