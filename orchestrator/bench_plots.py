@@ -40,18 +40,20 @@ def _attainment(path: Path, wl: str, points: list[PointSummary]) -> None:
 
 
 def _itl_cdf(path: Path, wl: str, points: list[PointSummary]) -> None:
-    """ITL CDF at the highest rate both modes ran."""
-    rate = max(p.rate for p in points)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, color in COLORS.items():
-        p = next((p for p in points if p.mode == mode and p.rate == rate), None)
-        if p is None or not p.itls:
-            continue
-        xs = sorted(1000 * x for x in p.itls)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], color=color, label=mode)
-    ax.set(xlabel="inter-token latency (ms)", ylabel="fraction of tokens", xscale="log")
-    ax.set_title(f"ITL CDF at {rate:.2f} req/s: {wl}")
-    ax.legend()
+    """ITL CDFs at the lowest and the highest rate of the sweep, both modes."""
+    rates = sorted({p.rate for p in points})
+    shown = [rates[0], rates[-1]] if len(rates) > 1 else rates
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
+    for ax, rate in zip(axes[0], shown, strict=True):
+        for mode, color in COLORS.items():
+            p = next((p for p in points if p.mode == mode and p.rate == rate), None)
+            if p is None or not p.itls:
+                continue
+            xs = sorted(1000 * x for x in p.itls)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], color=color, label=mode)
+        ax.set(xlabel="inter-token latency (ms)", ylabel="fraction of tokens", xscale="log")
+        ax.set_title(f"ITL CDF at {rate:.2f} req/s: {wl}")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["prefill-heavy", "decode-heavy", "chat"])  # fmt: skip
     bs.add_argument("--requests", type=int, default=16, help="requests per rate point (the same file for both modes)")
     bs.add_argument("--rates", type=float, nargs="+", default=None, help="request rates (req/s); default: multiples")
-    bs.add_argument("--rate-multiples", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5],
+    bs.add_argument("--rate-multiples", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 1.0],
                     help="of the estimated colocated saturation rate")  # fmt: skip
     bs.add_argument("--prefill-ratio", type=float, default=10.0, help="prefill-heavy: prefill time / decode step")
     bs.add_argument("--calibrate-lengths", type=int, nargs="+", default=[128, 160, 192, 224, 256, 320, 384, 512])

@@ -6,9 +6,11 @@ process of the run is left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -177,3 +179,39 @@ def test_generated_mpirun_script_runs_on_its_own(tiny_engine_dir, tmp_path) -> N
         launch.stop()
     assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), PROMPTS[:3], 6)
     assert run_processes(launch.run_id) == {}
+
+
+def test_disagg_launch_cli_demo_then_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
+    """What `make serve` runs: launch, stream one chat answer with TTFT / ITL, serve, Ctrl-C stops all."""
+    cfg = cluster(
+        tmp_path,
+        prefill={"count": 1, "engine_dir": str(smollm2_dir), "num_pages": 256},
+        decode={"count": 1, "engine_dir": str(smollm2_dir), "num_pages": 256},
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps(json.loads(cfg.model_dump_json())), encoding="utf-8")  # JSON is YAML
+    cli = str(Path(sys.executable).parent / "disagg")
+    proc = subprocess.Popen(
+        [cli, "launch", str(path), "--demo", "What is 2+2?", "--max-tokens", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    text = "".join(lines)
+    assert "TTFT" in text and "ITL" in text, text
+    assert f"grpc 127.0.0.1:{cfg.ports.grpc}" in text, text
+    script = (cfg.run_dir / "launch.sh").read_text(encoding="utf-8")
+    run_id = script.split("DISAGG_RUN_ID=", 1)[1].split()[0]
+    assert run_processes(run_id)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, text + rest
+    assert "stopped" in rest
+    assert run_processes(run_id) == {}
+    assert all(port_free(cfg.bind, p) for p in (cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
