@@ -106,6 +106,7 @@ class PrefillSide:
         meta_slots: int = 8,
         poll_interval_s: float = 0.0005,
         stream_layers: bool = True,
+        layers_per_post: int = 1,
     ) -> None:
         if len(pools) != layout.num_layers:
             raise ValueError(f"{len(pools)} pools for {layout.num_layers} layers")
@@ -115,6 +116,9 @@ class PrefillSide:
         self.progress = progress
         self.poll_interval_s = poll_interval_s
         self.stream_layers = stream_layers  # False: send nothing until ``prefill_done`` (a baseline)
+        # post once this many layers are finished (or the forward is over): fewer, larger writes where
+        # the copies compete with the forward pass for the same core (shared-memory UCX on a CPU)
+        self.layers_per_post = max(1, layers_per_post)
         transport.register(self.pools)
         self._staging = torch.zeros(max(meta_slots, 1), max(meta_slot_bytes, 1), dtype=torch.uint8)
         transport.register([self._staging])
@@ -284,14 +288,12 @@ class PrefillSide:
         if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING) and self._may_send(job):
             while job.pending:
                 batch = job.pending[0]
-                first = batch.next_layer
-                while (
-                    batch.next_layer < self.layout.num_layers
-                    and self.progress.completed(batch.next_layer) >= batch.forward
-                ):
-                    batch.next_layer += 1
-                if batch.next_layer > first:  # every layer finished since the last pass goes out together
-                    self._post_layers(job, batch.pages, range(first, batch.next_layer))
+                first, ready, last = batch.next_layer, batch.next_layer, self.layout.num_layers
+                while ready < last and self.progress.completed(ready) >= batch.forward:
+                    ready += 1
+                if ready - first >= self.layers_per_post or (ready == last and ready > first):
+                    self._post_layers(job, batch.pages, range(first, ready))  # finished layers go out together
+                    batch.next_layer = ready
                     moved = True
                 if batch.next_layer < self.layout.num_layers:
                     break

@@ -104,7 +104,9 @@ def calibrate(engine_dir: Path, lengths: list[int], target_ratio: float, chunk: 
 
 
 # -- 2. deployments ------------------------------------------------------------------------
-def deployment(mode: str, engine_dir: Path, out: Path, chunk: int, cores: list[int]) -> ClusterConfig:
+def deployment(
+    mode: str, engine_dir: Path, out: Path, chunk: int, cores: list[int], layers_per_post: int = 1
+) -> ClusterConfig:
     base: dict[str, object] = {
         "mode": mode,
         "dtype": "float32",
@@ -113,6 +115,7 @@ def deployment(mode: str, engine_dir: Path, out: Path, chunk: int, cores: list[i
         "ports": {"http": free_port(), "grpc": free_port(), "metrics": free_port()},
         "run_dir": str(out / mode),
         "timeouts": {"startup_s": 300, "kv_transfer_s": 120},
+        "transport": {"layers_per_post": layers_per_post},
     }
     group = {"tp": 1, "engine_dir": str(engine_dir), "num_pages": 2048}
     if mode == "colocated":
@@ -286,7 +289,7 @@ def run_serve_bench(a: argparse.Namespace) -> int:
 
     tok = Tokenizer(engine_dir)
     workloads = [Workload(w) for w in a.workloads]
-    launches = {m: Launch(deployment(m, engine_dir, out, a.chunk, a.cores)) for m in MODES}
+    launches = {m: Launch(deployment(m, engine_dir, out, a.chunk, a.cores, a.layers_per_post)) for m in MODES}
     report: dict[str, object] = {
         "command": "disagg bench serve " + " ".join(a.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     bs.add_argument("--calibrate-lengths", type=int, nargs="+", default=[128, 160, 192, 224, 256, 320, 384, 512])
     bs.add_argument("--chunk", type=int, default=128, help="token budget per step (chunked prefill)")
     bs.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="the two cores both modes get")
+    bs.add_argument("--layers-per-post", type=int, default=8,
+                    help="disaggregated prefill: post KV every N finished layers (copies share its core)")  # fmt: skip
     bs.add_argument("--idle-requests", type=int, default=3, help="serial requests for the idle SLO baseline")
     bs.add_argument("--max-seconds", type=float, default=150.0, help="bound on one rate point")
     bs.add_argument("--seed", type=int, default=0)

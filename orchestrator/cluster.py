@@ -65,6 +65,9 @@ class TimeoutSpec(_Frozen):
 
 class TransportSpec(_Frozen):
     backend: str = Field(default="UCX", pattern="^(UCX|LIBFABRIC)$")
+    layers_per_post: int = Field(
+        default=1, ge=1, description="prefill ranks post KV once this many layers finished (1: every layer)"
+    )
 
 
 class ClusterConfig(_Frozen):

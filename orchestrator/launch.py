@@ -218,6 +218,7 @@ class Launch:
             max_tokens_limit=cfg.scheduler.max_tokens_limit,
             agent_name=f"{self.run_id}-{slot.name}",
             nixl_backend=cfg.transport.backend,
+            layers_per_post=cfg.transport.layers_per_post,
             role=slot.role,
             group=slot.group,
             tp_rank=slot.tp_rank,

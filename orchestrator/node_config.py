@@ -26,6 +26,7 @@ class NodeConfig(BaseModel):
     max_tokens_limit: int = Field(default=4096, ge=1)  # the largest max_tokens a request may ask for
     agent_name: str = "disagg-node"  # NIXL agent name of this node's messenger (prefill role)
     nixl_backend: str = "UCX"
+    layers_per_post: int = Field(default=1, ge=1)  # prefill: post KV every this many finished layers
     role: Role = Role.COLOCATED  # DECODE: KV comes from prefill groups; PREFILL; COLOCATED: prefills itself
     group: int = Field(default=0, ge=0)
     tp_rank: int = Field(default=0, ge=0)

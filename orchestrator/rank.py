@@ -138,6 +138,7 @@ def bootstrap(node: NodeConfig) -> Rank:
             engine.kv.pools,
             engine.progress,
             metadata_bytes(engine) if leader else 0,
+            layers_per_post=node.layers_per_post,
         )
     elif node.role is Role.DECODE:
         side = DecodeSide(

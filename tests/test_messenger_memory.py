@@ -51,10 +51,12 @@ CASES = [
 @pytest.mark.parametrize(
     "sc", CASES, ids=lambda s: f"{s.kind.value}-{s.layout.value}-p{s.page_size}-{s.prefill_tp}to{s.decode_tp}"
 )
-def test_pages_and_metadata_arrive_byte_identical(sc: Scenario) -> None:
+def test_pages_and_metadata_arrive_byte_identical(sc: Scenario, layers_per_post: int = 1) -> None:
     fabric = MemoryFabric()
     logical = sc.logical()
     prefills, progress, decodes = build(sc, fabric, logical)
+    for p in prefills:
+        p.layers_per_post = layers_per_post
     _, dst_pages = sc.pages()
     agents = [f"p{r}" for r in range(sc.prefill_tp)]
     for d in decodes:
@@ -81,6 +83,12 @@ def test_pages_and_metadata_arrive_byte_identical(sc: Scenario) -> None:
         for layer in range(LAYERS):
             assert np.array_equal(d.pools[layer][pages].numpy(), want[layer])
     assert torch.equal(decodes[0].meta_slot(2), meta)
+
+
+@pytest.mark.parametrize("layers_per_post", [2, 3, 100])
+@pytest.mark.parametrize("sc", [CASES[0], CASES[-1], CASES[len(CASES) // 2]], ids=["first", "last", "middle"])
+def test_posting_several_layers_at_once_moves_the_same_bytes(sc: Scenario, layers_per_post: int) -> None:
+    test_pages_and_metadata_arrive_byte_identical(sc, layers_per_post)
 
 
 class Clock:
