@@ -243,7 +243,11 @@ class Launch:
                     raise LaunchError(f"{ld.slot.describe()}: {name} port {self.cfg.bind}:{port} is already in use")
         log = (self.run_dir / "mpirun.log").open("wb")
         self.proc = subprocess.Popen(
-            ["sh", str(prepared.script)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            ["sh", str(prepared.script)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl before exec; mpirun dies with the launcher
         )
 
     def wait_ready(self) -> None:
@@ -312,6 +316,14 @@ class Launch:
                 os.kill(pid, signal.SIGKILL)
         code, self.proc = self.proc.returncode, None
         return code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to send SIGTERM when the launcher dies (PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def _ready(host: str, port: int) -> bool:

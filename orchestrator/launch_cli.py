@@ -55,12 +55,20 @@ async def _demo(url: str, prompt: str, max_tokens: int) -> Completion:
         await client.close()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(a: argparse.Namespace) -> int:
     try:
         cfg = ClusterConfig.load(a.config)
     except ConfigError as exc:
         print(f"disagg: error: {exc}", file=sys.stderr)
         return 2
+    # Ctrl-C and SIGTERM (kill, docker stop, systemd) both shut down cleanly; a background job
+    # of a non-interactive shell starts with SIGINT ignored, so install the handler explicitly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     launch = Launch(cfg, a.run_dir)
     _say(f"building engines and rendering the deployment in {launch.run_dir}")
     prepared = launch.prepare()
@@ -91,7 +99,8 @@ def run(a: argparse.Namespace) -> int:
             return 1
         return 0
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         _say("shutting down")
         launch.stop()
         _say("stopped")

@@ -27,6 +27,7 @@ _KINDS = {
     "stream": "b",
     "chat": "b",
     "ignore_eos": "b",
+    "exclude_input_in_output": "b",
 }
 
 
@@ -68,6 +69,8 @@ def parse_text(get: Getter) -> tuple[str, bool]:
     prompt = _text(arr.reshape(-1)[0], "text_input")
     if not prompt.strip():
         raise InvalidRequestError("input text_input is empty")
+    if _scalar(get, "exclude_input_in_output") is False:  # TensorRT-LLM's ensemble input; the output never echoes
+        raise InvalidRequestError("exclude_input_in_output=false is not supported: the output never repeats the prompt")
     return prompt, bool(_scalar(get, "chat") or False)
 
 

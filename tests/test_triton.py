@@ -125,6 +125,7 @@ def test_grpc_stream_equals_engine(server: TritonServer, reference: str) -> None
         ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
         ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width 2 is not supported"),
         ({"text_input": "hi " * 9000, "max_tokens": 4}, "the context holds 8192"),
+        ({"text_input": "hi", "max_tokens": 4, "exclude_input_in_output": False}, "exclude_input_in_output=false"),
     ],
 )
 def test_bad_input_gets_an_error_and_the_server_keeps_serving(
