@@ -266,11 +266,10 @@ class PrefillSide:
         moved = self._control()
         with self._lock:
             jobs = list(self._jobs.values())
-        self._moved = moved
-        busy = moved
         for job in jobs:
-            busy |= self._advance(job)
-        return busy
+            moved |= self._advance(job)
+        self._moved = moved
+        return moved or any(job.inflight for job in jobs)  # keep driving the transport while writes are in flight
 
     def _control(self) -> bool:
         msgs = self.transport.notifications()
@@ -284,6 +283,7 @@ class PrefillSide:
         return bool(msgs)
 
     def _advance(self, job: _Job) -> bool:
+        """Post what is ready, collect finished writes, close the job when over; True if anything moved."""
         moved = False
         if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING) and self._may_send(job):
             while job.pending:
@@ -321,8 +321,7 @@ class PrefillSide:
         if not job.inflight and self._finished(job):
             self._close(job)
             moved = True
-        self._moved |= moved
-        return moved or bool(job.inflight)  # keep driving the transport while writes are in flight
+        return moved
 
     def _may_send(self, job: _Job) -> bool:
         """With layer streaming off, nothing goes out until the engine reported the prefill done."""

@@ -96,14 +96,16 @@ class RankReport:
 class GroupChannel:
     """Leader end of the tick protocol. With TP 1 every method is free."""
 
-    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.001, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self, engine: LLMEngine, idle_tick_s: float = 0.001, heartbeat_s: float = 1.0, on_steps: bool = True
+    ) -> None:
         self.tp: TPGroup = engine.tp
         self.idle_tick_s = idle_tick_s
         self.heartbeat_s = heartbeat_s
         self._pending: list[Command] = []
         self._reports: list[RankReport] = []
         self._last = time.monotonic()
-        if self.tp.size > 1:
+        if self.tp.size > 1 and on_steps:  # without a messenger (colocated) steps go out bare: no gather
             engine.runner.tick_hook = self
 
     def send(self, cmd: Command) -> None:
@@ -150,17 +152,12 @@ class GroupPrefillSide:
         self.channel = channel
         self.size = channel.tp.size
         self._partial: dict[str, tuple[set[int], PrefillOutcome]] = {}
-        self.transport = local.transport
-        self.layout = local.layout
 
     def endpoint(self) -> RankEndpoint:
         return self.local.endpoint()
 
     def connect(self, decode_ranks: Sequence[RankEndpoint]) -> None:
         self.local.connect(decode_ranks)
-
-    def peer_endpoint(self, agent: str) -> RankEndpoint:
-        return self.local.peer_endpoint(agent)
 
     def start(self) -> None:
         self.local.start()

@@ -50,7 +50,6 @@ class Reply:
 class _Pending:
     group: int
     epoch: int
-    tokens: int
     tried: set[int] = field(default_factory=set)
 
 
@@ -131,7 +130,7 @@ class KVFetcher:
             req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=agents)
         except ValueError as exc:
             raise InvalidRequestError(f"request {request_id}: {exc}") from None
-        self._pending[request_id] = _Pending(g, req.epoch, len(prompt_ids) - 1, {g})
+        self._pending[request_id] = _Pending(g, req.epoch, {g})
         self._send(g, req)
         return True
 

@@ -20,8 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,17 @@ from builders import BuildOptions, build_engine
 from builders.build import default_engine_dir
 from orchestrator.cluster import ClusterConfig, RankSlot
 from orchestrator.node_config import NodeConfig
-from orchestrator.triton import NODE_CONFIG_ENV, REPO_ROOT, Ports, TritonInstall, backend_dir, port_free
+from orchestrator.triton import (
+    NODE_CONFIG_ENV,
+    REPO_ROOT,
+    Ports,
+    TritonInstall,
+    backend_dir,
+    http_ready,
+    port_free,
+    stub_environment,
+    triton_command,
+)
 from torch_engine.config import EngineManifest, Role
 
 RUN_ID_ENV = "DISAGG_RUN_ID"
@@ -62,9 +70,9 @@ class Prepared:
         for ld in self.leaders:
             role = "prefill" if ld.slot.role is Role.PREFILL else "decode"
             out[f"{role}{ld.slot.group}"] = {
-                "http": f"{ld.ports.http}",
-                "grpc": f"{ld.ports.grpc}",
-                "metrics": f"{ld.ports.metrics}",
+                "http": ld.ports.http,
+                "grpc": ld.ports.grpc,
+                "metrics": ld.ports.metrics,
                 "models": list(ld.models),
             }
         return out
@@ -130,7 +138,10 @@ class Launch:
             if slot.is_leader:
                 models = self._models(slot, dirs[slot.role])
                 leaders.append(Leader(slot, ports[slot.mpi_rank], models))
-                argv = self._triton_argv(install, backends, ports[slot.mpi_rank], models, slot)
+                log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
+                argv = triton_command(
+                    install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models, log_file
+                )
             else:
                 argv = [sys.executable, "-m", "orchestrator.worker", str(node_path)]
             apps.append(["-n", "1", "env", f"{NODE_CONFIG_ENV}={node_path}", *pin, *argv])
@@ -148,26 +159,14 @@ class Launch:
             encoding="utf-8",
         )
         script.chmod(0o755)
-        (self.run_dir / "endpoints.json").write_text(json.dumps(self._endpoints(leaders), indent=2), encoding="utf-8")
         self.prepared = Prepared(script, command, leaders, slots, self.run_dir)
+        endpoints = self.prepared.endpoints() | {"bind": self.cfg.bind}
+        (self.run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2), encoding="utf-8")
         return self.prepared
 
-    def _endpoints(self, leaders: list[Leader]) -> dict[str, object]:
-        return Prepared(Path(), [], leaders, [], self.run_dir).endpoints() | {"bind": self.cfg.bind}
-
     def _environment(self, install: TritonInstall) -> dict[str, str]:
-        """What every rank needs: the venv first on PATH (the Triton stub finds Python there), the
-        wheel's and the interpreter's libraries, and this run's id (to find its processes)."""
-        import sysconfig
-
-        venv_bin = str(Path(sys.executable).parent)
-        libs = [str(install.libs), sysconfig.get_config_var("LIBDIR") or ""]
-        return {
-            "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
-            "LD_LIBRARY_PATH": os.pathsep.join(p for p in [*libs, os.environ.get("LD_LIBRARY_PATH", "")] if p),
-            RUN_ID_ENV: self.run_id,
-            "OMP_NUM_THREADS": str(self.cfg.threads_per_rank),
-        }
+        """What every rank needs: the Triton stub's environment, and this run's id (to find its processes)."""
+        return stub_environment(install) | {RUN_ID_ENV: self.run_id, "OMP_NUM_THREADS": str(self.cfg.threads_per_rank)}
 
     def _mpi_flags(self, env: dict[str, str]) -> list[str]:
         flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--output", "tag"]
@@ -184,27 +183,6 @@ class Launch:
             return ("prefill",)
         # the client-facing ensemble needs a tokenizer; a tokenizer-less engine serves token ids on `decode`
         return ("llm",) if EngineManifest.load(engine_dir).has_tokenizer else ("decode",)
-
-    def _triton_argv(
-        self, install: TritonInstall, backends: Path, ports: Ports, models: tuple[str, ...], slot: RankSlot
-    ) -> list[str]:
-        host = self.cfg.bind
-        return [
-            str(install.binary),
-            f"--model-repository={REPO_ROOT / 'model_repo'}",
-            f"--backend-directory={backends}",
-            f"--http-address={host}",
-            f"--http-port={ports.http}",
-            f"--grpc-address={host}",
-            f"--grpc-port={ports.grpc}",
-            f"--metrics-address={host}",
-            f"--metrics-port={ports.metrics}",
-            "--allow-metrics=true",
-            "--log-verbose=0",
-            f"--log-file={self.run_dir / 'logs' / (slot.name + '.triton.log')}",
-            "--model-control-mode=explicit",
-            *(f"--load-model={m}" for m in models),
-        ]
 
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
@@ -261,9 +239,9 @@ class Launch:
             if time.monotonic() > deadline:
                 self.stop()
                 raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{self.failure_report()}")
-            pending = [ld for ld in pending if not _ready(self.cfg.bind, ld.ports.http)]
+            pending = [ld for ld in pending if not http_ready(self.cfg.bind, ld.ports.http)]
             time.sleep(0.25)
-        self._watched = {pid: rank for pid, rank in run_processes(self.run_id).items()}
+        self._watched = run_processes(self.run_id)
 
     def supervise(self, poll_s: float = 0.5) -> str | None:
         """Block until a watched process dies (returns the message naming its rank) or ``stop``."""
@@ -324,14 +302,6 @@ def _die_with_parent() -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
-def _ready(host: str, port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
 
 
 def run_processes(run_id: str) -> dict[int, int]:

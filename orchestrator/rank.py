@@ -70,10 +70,6 @@ class Rank:
     local_side: PrefillSide | DecodeSide | None
     peers: list[Announcement]
 
-    @property
-    def is_leader(self) -> bool:
-        return self.node.tp_rank == 0
-
     def prefill_groups(self) -> list[PrefillGroup]:
         groups: dict[int, list[Announcement]] = {}
         for a in self.peers:
@@ -148,7 +144,8 @@ def bootstrap(node: NodeConfig) -> Rank:
             metadata_bytes(engine) if leader else 0,
             META_SLOTS if leader else 0,
         )
-    me = me.model_copy(update={"grpc_url": node.grpc_url if leader else None, "endpoint": _endpoint(side)})
+    endpoint = side.endpoint() if side is not None else None
+    me = me.model_copy(update={"grpc_url": node.grpc_url if leader else None, "endpoint": endpoint})
     peers = [Announcement.model_validate_json(s) for s in comm.allgather(me.model_dump_json())]
     for a in peers:
         if a.version != PROTOCOL_VERSION:
@@ -158,8 +155,6 @@ def bootstrap(node: NodeConfig) -> Rank:
     elif isinstance(side, DecodeSide):
         side.connect([a.endpoint for a in peers if a.role is Role.PREFILL and a.endpoint is not None])
     log.info("rank %d (%s group %d tp %d) up", comm.Get_rank(), node.role.value, node.group, node.tp_rank)
-    return Rank(node, engine, GroupChannel(engine) if leader else None, side, peers)
+    channel = GroupChannel(engine, on_steps=side is not None) if leader else None
+    return Rank(node, engine, channel, side, peers)
 
-
-def _endpoint(side: PrefillSide | DecodeSide | None) -> RankEndpoint | None:
-    return None if side is None else side.endpoint()

@@ -99,6 +99,55 @@ class Ports:
         return cls(free_port(host), free_port(host), free_port(host))
 
 
+def triton_command(
+    install: TritonInstall,
+    model_repo: Path,
+    backends: Path,
+    host: str,
+    ports: Ports,
+    models: tuple[str, ...],
+    log_file: Path | None = None,
+) -> list[str]:
+    """``tritonserver`` bound to ``host``, explicit model control loading ``models``."""
+    return [
+        str(install.binary),
+        f"--model-repository={model_repo}",
+        f"--backend-directory={backends}",
+        f"--http-address={host}",
+        f"--http-port={ports.http}",
+        f"--grpc-address={host}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-address={host}",
+        f"--metrics-port={ports.metrics}",
+        "--allow-metrics=true",
+        "--log-verbose=0",
+        *([f"--log-file={log_file}"] if log_file is not None else []),
+        "--model-control-mode=explicit",
+        *(f"--load-model={m}" for m in models),
+    ]
+
+
+def stub_environment(install: TritonInstall) -> dict[str, str]:
+    """What the isolated Python stub needs on top of the caller's environment: this venv's
+    ``python3`` first on ``PATH``, the wheel's and the interpreter's libraries."""
+    venv_bin = str(Path(sys.executable).parent)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    return {
+        "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
+        "LD_LIBRARY_PATH": os.pathsep.join(
+            p for p in (str(install.libs), libdir, os.environ.get("LD_LIBRARY_PATH")) if p
+        ),
+    }
+
+
+def http_ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 class TritonServer:
     def __init__(
         self,
@@ -129,30 +178,10 @@ class TritonServer:
         return f"{self.host}:{self.ports.grpc}"
 
     def command(self, backends: Path) -> list[str]:
-        return [
-            str(self.install.binary),
-            f"--model-repository={self.model_repo}",
-            f"--backend-directory={backends}",
-            f"--http-address={self.host}",
-            f"--http-port={self.ports.http}",
-            f"--grpc-address={self.host}",
-            f"--grpc-port={self.ports.grpc}",
-            f"--metrics-address={self.host}",
-            f"--metrics-port={self.ports.metrics}",
-            "--allow-metrics=true",
-            "--log-verbose=0",
-            "--model-control-mode=explicit",
-            *(f"--load-model={m}" for m in self.models),
-        ]
+        return triton_command(self.install, self.model_repo, backends, self.host, self.ports, self.models)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        venv_bin = str(Path(sys.executable).parent)
-        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-        libdir = sysconfig.get_config_var("LIBDIR") or ""
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(self.install.libs), libdir, env.get("LD_LIBRARY_PATH")) if p
-        )
+        env = dict(os.environ) | stub_environment(self.install)
         env[NODE_CONFIG_ENV] = str(self.node_config)
         env.pop("PYTHONPATH", None)
         return env
@@ -178,11 +207,7 @@ class TritonServer:
         raise TritonError(f"tritonserver was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
+        return http_ready(self.host, self.ports.http)
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_path.exists():

@@ -215,3 +215,18 @@ def test_disagg_launch_cli_demo_then_ctrl_c(smollm2_dir: Path, tmp_path: Path) -
     assert "stopped" in rest
     assert run_processes(run_id) == {}
     assert all(port_free(cfg.bind, p) for p in (cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
+
+
+def test_colocated_tp2_equals_tp1(tiny_engine_dir, tmp_path) -> None:
+    """Colocated TP groups broadcast bare steps (no messenger commands, no gather)."""
+    cfg = cluster(
+        tmp_path,
+        mode="colocated",
+        prefill={"count": 0},
+        decode={"count": 1, "tp": 2, "engine_dir": str(tiny_engine_dir("llama", 2)), "num_pages": 256},
+        page_size=4,
+        scheduler=SCHED,
+    )
+    with deployed(cfg) as launch:
+        got = run_ids(grpc_url(launch), PROMPTS, 8)
+    assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), PROMPTS, 8)

@@ -33,9 +33,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
-    """One class, three roles (the model config's ``role`` parameter): ``preprocessing`` (text ->
-    token ids), ``decode`` (token ids -> streamed token windows, decoupled; owns the engine) and
-    ``postprocessing`` (token window -> text)."""
+    """One class, four roles (the model config's ``role`` parameter): ``preprocessing`` (text ->
+    token ids), ``decode`` (token ids -> streamed token windows, decoupled; owns the engine),
+    ``postprocessing`` (token window -> text) and ``prefill`` (prefill nodes)."""
 
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
