@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test lint bench bench-engine bench-transfer clean
+.PHONY: setup serve test test-fast lint typecheck bench bench-engine bench-transfer clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,18 @@ serve: setup
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The quick loop: unit tests only (no servers, deployments or process groups).
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e"
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # The serving benchmark (colocated vs disaggregated, ~30 min here); the engine and transfer ones.
 bench: setup

@@ -64,6 +64,9 @@ def _fingerprint(path: Path, opts: BuildOptions) -> str:
     return h.hexdigest()
 
 
+DEFAULT_ENGINE_CACHE = Path.home() / ".cache" / "disagg" / "engines"  # built engines, keyed by fingerprint
+
+
 def default_engine_dir(cache_root: Path, source: str, opts: BuildOptions) -> Path:
     path = resolve_source(source)
     name = path.stem if path.is_file() else path.name

@@ -13,11 +13,9 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from torch_engine.config import KVLayout
+from torch_engine.config import DType, KVLayout
 
 PROTOCOL_VERSION = 1
-
-_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 
 class IncompatibleLayoutError(ValueError):
@@ -36,7 +34,7 @@ class KVLayoutSpec(BaseModel):
     num_layers: int = Field(gt=0)
     page_size: int = Field(gt=0)
     layout: KVLayout
-    dtype: str
+    dtype: DType
     kv_heads: int = Field(default=0, ge=0)  # GQA: the model's KV heads (all ranks together)
     head_dim: int = Field(default=0, ge=0)
     latent_dim: int = Field(default=0, ge=0)  # MLA: kv_lora_rank + rope dim
@@ -45,8 +43,6 @@ class KVLayoutSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> KVLayoutSpec:
-        if self.dtype not in _ELEMENT_SIZE:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r}")
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside 0..{self.tp_size - 1}")
         if self.kind is AttentionKind.GQA:
@@ -62,7 +58,7 @@ class KVLayoutSpec(BaseModel):
     # -- what this rank holds ------------------------------------------------------------
     @property
     def element_size(self) -> int:
-        return _ELEMENT_SIZE[self.dtype]
+        return self.dtype.itemsize
 
     def heads_of(self, rank: int) -> range:
         """KV heads that ``rank`` holds (one replicated head when TP > KV heads)."""
@@ -98,7 +94,7 @@ class KVLayoutSpec(BaseModel):
             self.num_layers,
             self.page_size,
             self.layout.value,
-            self.dtype,
+            self.dtype.value,
             self.kv_heads,
             self.head_dim,
             self.latent_dim,

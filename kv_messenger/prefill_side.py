@@ -134,8 +134,6 @@ class PrefillSide:
         self._moved = False  # the last poll_once made progress (not merely writes in flight)
         self.idle_wait_s = 0.005
         self._thread: threading.Thread | None = None
-        self.writes_posted = 0
-        self.bytes_posted = 0
 
     # -- set-up --------------------------------------------------------------------------
     def endpoint(self) -> RankEndpoint:
@@ -174,10 +172,10 @@ class PrefillSide:
         job = _Job(req, [], template, n_pages)
         with self._lock:
             old = self._jobs.get(req.request_id)
-            if old is not None and old.state < PrefillJobState.DONE:
-                if old.req.epoch >= req.epoch:
-                    raise ValueError(f"request {req.request_id} epoch {req.epoch} is not newer than {old.req.epoch}")
-                old.state = PrefillJobState.ABORTED  # a newer epoch supersedes it: no further writes
+            if old is not None and old.req.epoch >= req.epoch:
+                raise ValueError(f"request {req.request_id} epoch {req.epoch} is not newer than {old.req.epoch}")
+            if old is not None and old.state < PrefillJobState.DONE:  # the engine refuses a live id first
+                raise ValueError(f"request {req.request_id} epoch {old.req.epoch} is still in flight here")
             self._jobs[req.request_id] = job
         self._wake.set()
 
@@ -356,8 +354,6 @@ class PrefillSide:
             job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))
             job.posted[d] = job.posted.get(d, 0) + counts[d]
             nbytes = int(rs[:, 2].sum())
-            self.writes_posted += counts[d]
-            self.bytes_posted += nbytes
             job.bytes_posted += nbytes
 
     def _post_meta(self, job: _Job) -> None:

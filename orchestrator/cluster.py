@@ -16,7 +16,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from torch_engine.config import DType, KVLayout, Role
+from builders.build import DEFAULT_ENGINE_CACHE
+from kv_messenger.config import TransportSpec
+from serving.node_config import RequestLimits, RequestTimeouts
+from torch_engine.config import DType, KVLayout, Role, SchedulerConfig
 
 
 class ConfigError(ValueError):
@@ -36,7 +39,7 @@ class GroupSpec(_Frozen):
     count: int = Field(default=1, ge=0, description="number of groups of this role")
     tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per group")
     engine_dir: Path | None = Field(default=None, description="a built engine; None: build from `model`")
-    num_pages: int = Field(default=1024, ge=1, description="KV pages per rank")
+    num_pages: int | None = Field(default=None, ge=1, description="KV pages per rank; None: the engine's default")
     cores: list[int] | None = Field(default=None, description="CPU cores to pin each rank to (taskset), in rank order")
 
 
@@ -49,25 +52,11 @@ class PortSpec(_Frozen):
     )
 
 
-class SchedulerSpec(_Frozen):
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget per step")
-    max_prefill_chunk: int = Field(default=512, ge=1, description="chunked prefill: largest chunk")
-    max_tokens_limit: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
+class TimeoutSpec(RequestTimeouts):
+    """The nodes' request timeouts, and the launcher's own."""
 
-
-class TimeoutSpec(_Frozen):
-    kv_transfer_s: float = Field(default=60.0, gt=0, description="reserve -> all KV landed")
-    prefill_request_s: float = Field(default=10.0, gt=0, description="one prefill request call")
     startup_s: float = Field(default=300.0, gt=0, description="launch -> every leader ready")
     shutdown_s: float = Field(default=20.0, gt=0, description="Ctrl-C / a dead rank -> everything gone")
-
-
-class TransportSpec(_Frozen):
-    backend: str = Field(default="UCX", pattern="^(UCX|LIBFABRIC)$")
-    layers_per_post: int = Field(
-        default=1, ge=1, description="prefill ranks post KV once this many layers finished (1: every layer)"
-    )
 
 
 class ClusterConfig(_Frozen):
@@ -78,14 +67,15 @@ class ClusterConfig(_Frozen):
     decode: GroupSpec = GroupSpec()
     page_size: int = Field(default=16, ge=1)
     kv_layout: KVLayout = KVLayout.HND
-    scheduler: SchedulerSpec = SchedulerSpec()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    limits: RequestLimits = RequestLimits()
     timeouts: TimeoutSpec = TimeoutSpec()
     transport: TransportSpec = TransportSpec()
     ports: PortSpec = PortSpec()
     bind: str = Field(default="127.0.0.1", description="address every server binds to")
     threads_per_rank: int = Field(default=1, ge=1, description="torch threads of each rank")
     hosts: list[str] = Field(default_factory=list, description="hostfile lines (e.g. 'node1 slots=4'); empty: local")
-    engine_cache: Path = Field(default=Path.home() / ".cache" / "disagg" / "engines")
+    engine_cache: Path = Field(default=DEFAULT_ENGINE_CACHE)
     run_dir: Path = Field(default=Path("runs/deploy"), description="logs, rendered configs and the mpirun script")
 
     @model_validator(mode="after")

@@ -24,12 +24,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from builders import BuildOptions, build_engine
 from builders.build import default_engine_dir
 from orchestrator.cluster import ClusterConfig, RankSlot
-from orchestrator.node_config import NodeConfig
 from orchestrator.triton import (
     NODE_CONFIG_ENV,
     REPO_ROOT,
@@ -41,7 +38,9 @@ from orchestrator.triton import (
     stub_environment,
     triton_command,
 )
-from torch_engine.config import EngineManifest, Role
+from serving.names import Model
+from serving.node_config import NodeConfig, RequestTimeouts
+from torch_engine.config import EngineConfig, EngineManifest, Role
 
 RUN_ID_ENV = "DISAGG_RUN_ID"
 
@@ -143,7 +142,7 @@ class Launch:
                     install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models, log_file
                 )
             else:
-                argv = [sys.executable, "-m", "orchestrator.worker", str(node_path)]
+                argv = [sys.executable, "-m", "serving.worker", str(node_path)]
             apps.append(["-n", "1", "env", f"{NODE_CONFIG_ENV}={node_path}", *pin, *argv])
         command = [str(Path(sys.executable).parent / "mpirun"), *self._mpi_flags(env)]
         for i, app in enumerate(apps):
@@ -180,23 +179,21 @@ class Launch:
 
     def _models(self, slot: RankSlot, engine_dir: Path) -> tuple[str, ...]:
         if slot.role is Role.PREFILL:
-            return ("prefill",)
+            return (Model.PREFILL,)
         # the client-facing ensemble needs a tokenizer; a tokenizer-less engine serves token ids on `decode`
-        return ("llm",) if EngineManifest.load(engine_dir).has_tokenizer else ("decode",)
+        return (Model.LLM,) if EngineManifest.load(engine_dir).has_tokenizer else (Model.DECODE,)
 
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
+        engine = {"engine_dir": engine_dir, "scheduler": cfg.scheduler, "num_threads": cfg.threads_per_rank}
+        if spec.num_pages is not None:  # else the engine's own default
+            engine["num_pages"] = spec.num_pages
         node = NodeConfig(
-            engine_dir=engine_dir,
-            num_pages=spec.num_pages,
-            max_num_seqs=cfg.scheduler.max_num_seqs,
-            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-            max_prefill_chunk=cfg.scheduler.max_prefill_chunk,
-            num_threads=cfg.threads_per_rank,
-            max_tokens_limit=cfg.scheduler.max_tokens_limit,
+            engine=EngineConfig.model_validate(engine),
+            transport=cfg.transport,
+            limits=cfg.limits,
+            timeouts=RequestTimeouts.model_validate(cfg.timeouts.model_dump(include=set(RequestTimeouts.model_fields))),
             agent_name=f"{self.run_id}-{slot.name}",
-            nixl_backend=cfg.transport.backend,
-            layers_per_post=cfg.transport.layers_per_post,
             role=slot.role,
             group=slot.group,
             tp_rank=slot.tp_rank,
@@ -204,12 +201,10 @@ class Launch:
             mpi_rank=slot.mpi_rank,
             host=cfg.bind,
             grpc_url=f"{cfg.bind}:{ports.grpc}" if ports is not None else None,
-            kv_timeout_s=cfg.timeouts.kv_transfer_s,
-            prefill_request_timeout_s=cfg.timeouts.prefill_request_s,
             trace_path=self.run_dir / "traces" / f"{slot.name}.jsonl" if slot.is_leader else None,
         )
         path = self.run_dir / "nodes" / f"{slot.name}.yaml"
-        path.write_text(yaml.safe_dump(json.loads(node.model_dump_json())), encoding="utf-8")
+        node.dump(path)
         return path
 
     # -- running -------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,8 +23,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.node_config import NODE_CONFIG_ENV
+from serving.ports import free_port, port_free
+
+__all__ = ["NODE_CONFIG_ENV", "Ports", "TritonServer", "free_port", "port_free"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NODE_CONFIG_ENV = "DISAGG_NODE_CONFIG"  # the one variable the backend reads: the node config file
 
 
 class TritonError(RuntimeError):
@@ -70,22 +73,6 @@ def backend_dir(install: TritonInstall, dest: Path) -> Path:
     shutil.rmtree(ours, ignore_errors=True)
     shutil.copytree(REPO_ROOT / "backends" / "disagg_backend", ours, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)

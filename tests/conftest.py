@@ -1,16 +1,44 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from builders import BuildOptions, build_engine
+from tests import helpers
 from tests.helpers import build_tiny, make_tiny_checkpoint
 from torch_engine.config import DType
 
 torch.set_num_threads(2)
+
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="device of the tests' engines (cuda on a GPU machine)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    helpers.PATH.device = str(config.getoption("--device"))
+
+
+@pytest.fixture(params=["reference", "fast", "graphs"])
+def engine_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on each compute path: the reference, prepared (packed) weights, and decode steps
+    through the decode-graph buckets (captured CUDA graphs on a GPU, eager buffers on a CPU)."""
+    helpers.PATH.prepack = request.param == "fast"
+    helpers.PATH.decode_graphs = True if request.param == "graphs" else None
+    yield str(request.param)
+    helpers.PATH.prepack, helpers.PATH.decode_graphs = False, None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ starts servers, deployments or process groups: marked ``e2e``."""
+    for item in items:
+        if E2E in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

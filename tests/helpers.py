@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from builders import BuildOptions, build_engine
-from torch_engine.config import DType, EngineConfig, KVLayout
+from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
 
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -44,7 +46,7 @@ TINY_CONFIGS = {
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        rope_scaling={
+        rope_scaling={  # type: ignore[call-arg]  # accepted by **kwargs, not in its signature
             "rope_type": "yarn",
             "factor": 4.0,
             "original_max_position_embeddings": 128,
@@ -88,6 +90,25 @@ def make_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> tuple[Path, 
     return folder, model
 
 
+@dataclass(slots=True)
+class EnginePath:
+    """Which compute path the tests' engines take: the device (``pytest --device cuda`` on a GPU
+    machine), and the serving fast paths (prepared weights, decode graphs) or the reference one."""
+
+    device: str = "cpu"
+    prepack: bool = False
+    decode_graphs: bool | None = None
+
+
+PATH = EnginePath()
+
+
+def engine_config(engine_dir: Path, **settings: Any) -> EngineConfig:
+    """``EngineConfig`` on the tests' current engine path (``settings`` win)."""
+    path = {"device": PATH.device, "prepack": PATH.prepack, "decode_graphs": PATH.decode_graphs}
+    return EngineConfig.model_validate({"engine_dir": engine_dir, **path, **settings})
+
+
 def tiny_engine(
     engine_dir: Path,
     *,
@@ -99,14 +120,12 @@ def tiny_engine(
     max_num_seqs: int = 32,
     tp: TPGroup | None = None,
 ) -> LLMEngine:
-    cfg = EngineConfig(
-        engine_dir=engine_dir,
+    cfg = engine_config(
+        engine_dir,
         page_size=page_size,
         kv_layout=layout,
         num_pages=num_pages,
-        max_prefill_chunk=chunk,
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs,
+        scheduler=SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         dtype=DType.FLOAT32,
     )
     return LLMEngine(cfg, tp=tp, load_tokenizer=False)

@@ -12,7 +12,7 @@ from kv_messenger.layout import AttentionKind, KVLayoutSpec
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.protocol import PrefillRequest
 from tests.kv_reference import logical_pages, rank_pages
-from torch_engine.config import KVLayout
+from torch_engine.config import DType, KVLayout
 
 NUM_PAGES = 48
 LAYERS = 3
@@ -35,7 +35,7 @@ def spec(kind: AttentionKind, layout: KVLayout, page_size: int, tp: int, rank: i
         num_layers=LAYERS,
         page_size=page_size,
         layout=layout,
-        dtype="bfloat16",
+        dtype=DType.BFLOAT16,
         tp_size=tp,
         tp_rank=rank,
         **extra,
@@ -78,7 +78,7 @@ class Scenario:
         total = self.prompt_len - 1
         return [*list(range(self.chunk, total, self.chunk)), total]
 
-    def expected_dst(self, logical: list[np.ndarray], rank: int) -> list[np.ndarray]:
+    def expected_dst(self, logical: list[np.ndarray], rank: int) -> tuple[list[np.ndarray], list[int]]:
         """What decode ``rank``'s pages must hold, per layer, for the destination pages."""
         src_pages, dst_pages = self.pages()
         d = spec(self.kind, self.layout, self.page_size, self.decode_tp, rank)

@@ -42,7 +42,7 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(engine: LLMEngine, pro
         engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()
-    assert len(engine.requests[busy].output_ids) == 5
+    assert len(engine.request(busy).output_ids) == 5
     assert engine.generate([[4, 5, 6]], SamplingParams(max_tokens=3))[0]  # a normal request right after
     assert engine.page_stats().used == 0
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench_serve import PointSummary, goodput, pct, summarize, ttft_splits
-from orchestrator.bench_workload import Workload, make_requests, poisson_arrivals
-from orchestrator.cli import main
+from bench.serve.metrics import PointSummary, goodput, pct, summarize, ttft_splits
+from bench.serve.workloads import Workload, make_requests, poisson_arrivals
 from orchestrator.client import Completion
 from torch_engine.tokenizer import Tokenizer
 
@@ -76,22 +75,3 @@ def test_workloads_are_seeded_and_shaped(smollm2_dir: Path) -> None:
     arr = poisson_arrivals(200, 2.0, seed=3)
     assert arr == poisson_arrivals(200, 2.0, seed=3) and arr[0] == 0.0
     assert 60 < arr[-1] < 140  # ~200 arrivals at 2/s
-
-
-@pytest.mark.slow
-def test_bench_serve_runs_both_modes_and_writes_everything(smollm2_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "bench"
-    args = ["bench", "serve", "--engine", str(smollm2_dir), "--workloads", "prefill-heavy", "--requests", "3",
-            "--rates", "0.3", "--idle-requests", "2", "--calibrate-lengths", "48", "96", "--max-seconds", "120",
-            "--out", str(out)]  # fmt: skip
-    assert main(args) == 0
-    report = json.loads((out / "bench_serve.json").read_text(encoding="utf-8"))
-    points = report["points"]
-    assert {p["mode"] for p in points} == {"colocated", "disaggregated"}
-    assert all(p["errors"] == 0 and p["ttft_p50"] > 0 and p["itl_p99"] > 0 for p in points)
-    disagg = next(p for p in points if p["mode"] == "disaggregated")
-    assert disagg["split_prefill"] > 0 and disagg["split_transfer"] is not None  # traces joined across nodes
-    assert set(report["targets"]) >= {"goodput_ratio_prefill_heavy", "p99_itl_ratio_prefill_heavy"}
-    for name in ("bench_serve.csv", "slo-attainment-prefill-heavy.png", "itl-cdf-prefill-heavy.png",
-                 "ttft-breakdown-prefill-heavy.png", "requests-prefill-heavy.jsonl"):  # fmt: skip
-        assert (out / name).stat().st_size > 0, name

@@ -17,14 +17,14 @@ def test_random_requests_and_cancellations_free_every_page(tiny_engine_dir) -> N
     ids: list[str] = []
     kinds: dict[str, RequestKind] = {}
     submitted = 0
-    while submitted < 200 or engine.has_unfinished() or engine.scheduler.kv_wait or engine.scheduler.prefilled:
+    while submitted < 200 or engine.has_unfinished() or engine.waiting_for_kv() or engine.prefilled():
         for _ in range(rng.randrange(0, 4)):
             if submitted >= 200:
                 break
             prompt = prompt_of(rng.randrange(1, 60), submitted)
             params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.8]), seed=submitted)
             roll = rng.random()
-            if roll < 0.1 and len(prompt) > 1 and engine.scheduler.can_reserve(len(prompt)):
+            if roll < 0.1 and len(prompt) > 1 and engine.can_reserve(len(prompt)):
                 rid, _ = engine.reserve_for_kv(prompt, params)
                 kinds[rid] = RequestKind.DECODE_FROM_KV
             elif roll < 0.2:
@@ -36,24 +36,24 @@ def test_random_requests_and_cancellations_free_every_page(tiny_engine_dir) -> N
             ids.append(rid)
             submitted += 1
         engine.step()
-        for rid in list(engine.scheduler.kv_wait):  # KV "arrives", or the transfer fails
+        for rid in list(engine.waiting_for_kv()):  # KV "arrives", or the transfer fails
             if rng.random() < 0.3:
                 engine.kv_ready(rid)
             elif rng.random() < 0.1:
                 engine.kv_failed(rid, "simulated transfer failure")
-        for rid in list(engine.scheduler.prefilled):  # the KV was sent
+        for rid in list(engine.prefilled()):  # the KV was sent
             if rng.random() < 0.5:
                 engine.release(rid)
         if rng.random() < 0.15:  # cancel a random request in whatever state it is
             engine.abort(rng.choice(ids))
         stats = engine.page_stats()
         assert stats.free + stats.used == stats.total
-    assert all(engine.requests[i].finished for i in ids)
+    assert all(engine.request(i).finished for i in ids)
     assert engine.page_stats().used == 0 and engine.page_stats().pinned == 0
-    reasons = {engine.requests[i].finish_reason for i in ids}
+    reasons = {engine.request(i).finish_reason for i in ids}
     assert {FinishReason.ABORT, FinishReason.LENGTH} <= reasons
-    assert engine.scheduler.num_preemptions > 0  # the pool really ran out
-    assert any(engine.requests[i].state is RequestState.FAILED for i in ids)
+    assert engine.num_preemptions > 0  # the pool really ran out
+    assert any(engine.request(i).state is RequestState.FAILED for i in ids)
 
 
 def test_preemption_keeps_greedy_outputs(tiny_engine_dir) -> None:
@@ -62,4 +62,4 @@ def test_preemption_keeps_greedy_outputs(tiny_engine_dir) -> None:
     roomy = tiny_engine(tiny_engine_dir("llama")).generate(prompts, params)
     tight = tiny_engine(tiny_engine_dir("llama"), num_pages=24, chunk=8, budget=16)
     assert tight.generate(prompts, params) == roomy
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.num_preemptions > 0

@@ -11,6 +11,8 @@ from tests.helpers import tiny_engine
 from torch_engine.config import KVLayout
 from torch_engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("engine_path")  # reference, fast (packed) and decode-graph paths
+
 GREEDY = SamplingParams(max_tokens=12)
 
 
@@ -21,7 +23,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 def run_with_logits(engine, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], torch.Tensor]:
     rid = engine.add_request(prompt, params, want_last_hidden=True)
-    req = engine.requests[rid]
+    req = engine.request(rid)
     logits = []
     while not req.finished:
         if any(out.request_id == rid for out in engine.step()):
@@ -50,11 +52,11 @@ def test_batch_of_8_equals_each_alone(kind: str, tiny_engine_dir) -> None:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     mixed_steps = 0
     while engine.has_unfinished():
-        sched_before = len(engine.scheduler.running)
+        sched_before = engine.queue_depths()[1]
         engine.step()
         mixed_steps += sched_before > 1
     assert mixed_steps > 0
-    assert [engine.requests[i].output_ids for i in ids] == alone
+    assert [engine.request(i).output_ids for i in ids] == alone
     assert engine.page_stats().used == 0
 
 

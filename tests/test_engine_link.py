@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kv_messenger.decode_side import DecodeSide
-from kv_messenger.engine_link import DecodeLink, PrefillLink, engine_layout, metadata_bytes
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport import MemoryFabric
+from serving.kv_links import DecodeLink, PrefillLink, engine_layout, metadata_bytes
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.request import RequestKind
@@ -44,16 +44,16 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
             ids.append(req.request_id)
         for _ in range(2000):
             plink.step()
-            plink.reap()
-            assert dlink.poll() == []
+            plink.poll()
+            assert dlink.poll().failed == []
             decode.step()
-            if all(i in decode.requests and decode.requests[i].finished for i in ids) and not prefill.has_unfinished():
+            if all(decode.has_request(i) and decode.request(i).finished for i in ids) and not prefill.has_unfinished():
                 break
-        outputs = [decode.requests[i].output_ids for i in ids]
+        outputs = [decode.request(i).output_ids for i in ids]
     finally:
         pside.stop()
     assert outputs == plain
-    while plink.reap() or prefill.requests:  # the last FINs
+    while plink.poll() or plink.live():  # the last FINs
         pass
     assert prefill.page_stats().used == 0 and decode.page_stats().used == 0
     # the handed-over metadata is the prefill's last hidden state and logits
@@ -61,11 +61,11 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
     rid = ref.add_request(prompts[2], kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
     while ref.has_unfinished():
         ref.step()
-    got = dlink.metadata("r2")
-    hidden = ref.requests[rid].last_hidden
+    got = dlink.take_metadata("r2")
+    hidden = ref.request(rid).last_hidden
     assert got is not None and hidden is not None
     torch.testing.assert_close(got[: hidden.numel()], hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[hidden.numel() :], ref.requests[rid].last_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[hidden.numel() :], ref.request(rid).last_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
@@ -75,9 +75,9 @@ def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     used = decode.page_stats().used
     assert used > 0
     time.sleep(0.3)
-    failed = dlink.poll()
+    failed = dlink.poll().failed
     assert failed and "timed out" in failed[0][1]
-    assert decode.requests["lost"].error is not None
+    assert decode.request("lost").error is not None
     assert decode.page_stats().used == used  # no sender confirmed: quarantined, not reused
     dlink.side.grace_s = 0.0
     dlink.poll()
@@ -86,13 +86,13 @@ def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     try:
         req = dlink.start(prompt_of(12, 2), SamplingParams(max_tokens=3), "next")
         plink.submit(req)
-        while not (decode.requests.get("next") and decode.requests["next"].finished):
+        while not (decode.has_request("next") and decode.request("next").finished):
             plink.step()
             dlink.poll()
             decode.step()
     finally:
         pside.stop()
-    assert len(decode.requests["next"].output_ids) == 3
+    assert len(decode.request("next").output_ids) == 3
 
 
 def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None:
@@ -107,20 +107,20 @@ def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None
         failed: list[tuple[str, str]] = []
         while not failed and time.monotonic() < deadline:
             plink.step()
-            failed = dlink.poll()
+            failed = dlink.poll().failed
             decode.step()
         assert failed and failed[0][0] == "victim" and "timed out" in failed[0][1]
-        assert decode.requests["victim"].error == failed[0][1]
+        assert decode.request("victim").error == failed[0][1]
         while decode.page_stats().used and time.monotonic() < deadline:  # FIN came: pages are reclaimable
             dlink.poll()
         assert decode.page_stats().used == 0
         plink.submit(dlink.start(healthy_prompt, SamplingParams(max_tokens=5), "after"))
-        while not (decode.requests.get("after") and decode.requests["after"].finished):
+        while not (decode.has_request("after") and decode.request("after").finished):
             plink.step()
             dlink.poll()
             decode.step()
     finally:
         pside.stop()
     plain = tiny_engine(tiny_engine_dir("llama")).generate([healthy_prompt], SamplingParams(max_tokens=5))[0]
-    assert decode.requests["after"].output_ids == plain
+    assert decode.request("after").output_ids == plain
     assert prefill.page_stats().used == 0

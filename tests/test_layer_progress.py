@@ -18,7 +18,10 @@ def test_counter_bumps_once_per_layer_per_step(tiny_engine_dir) -> None:
         def before_step(self, sched: SchedulerOutput) -> None:
             seen.append((sched.step, engine.progress.snapshot()))
 
-    engine.observers.append(Observer())
+        def after_forward(self, sched: SchedulerOutput) -> None:
+            assert engine.progress.snapshot() == [sched.step] * len(seen[-1][1])  # every layer of this step ran
+
+    engine.attach(Observer())
     engine.generate([list(range(1, 13))], SamplingParams(max_tokens=3, ignore_eos=True))
     steps = len(seen)
     assert steps == 3 + 2  # 12 prompt tokens in chunks of 5, then 2 more decode steps

@@ -13,7 +13,7 @@ PROMPT = [5, 17, 99, 3, 42, 7, 200, 11, 13, 77, 1, 250, 64]
 
 def step_logits(engine, prompt: list[int], n: int) -> tuple[list[torch.Tensor], list[int]]:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=n), want_last_hidden=True)
-    req = engine.requests[rid]
+    req = engine.request(rid)
     logits = []
     while not req.finished:
         engine.step()

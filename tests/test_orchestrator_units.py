@@ -10,21 +10,21 @@ from typing import ClassVar
 import pytest
 
 from kv_messenger.decode_side import DecodeSide
-from kv_messenger.engine_link import engine_layout, metadata_bytes
-from kv_messenger.prefill_server import PrefillServer
 from kv_messenger.protocol import PrefillRequest
-from kv_messenger.tp_group import GroupChannel, GroupDecodeSide
 from kv_messenger.transport import MemoryFabric
 from orchestrator.cluster import ClusterConfig, ConfigError
-from orchestrator.kv_fetch import KVFetcher, Reply
-from orchestrator.rank import PrefillGroup
-from orchestrator.router import NoPrefillGroup, Router
+from serving.bootstrap import PrefillGroup
+from serving.decode_loop import DecodeLoop
+from serving.decode_path import KVFetcher, Reply
+from serving.kv_links import engine_layout, metadata_bytes
+from serving.prefill_loop import PrefillLoop
+from serving.router import NoPrefillGroup, Router
+from serving.tp_group import GroupChannel, GroupDecodeSide
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.config import Role
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import SamplingParams
-from torch_engine.serving import EngineLoop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,7 @@ def test_router_least_outstanding_prefill_tokens() -> None:
 class FakeCaller:
     """Group 0 refuses every call (as a dead or overloaded group would); others reach their server."""
 
-    servers: ClassVar[dict[int, PrefillServer]] = {}
+    servers: ClassVar[dict[int, PrefillLoop]] = {}
     calls: ClassVar[list[int]] = []
 
     def __init__(self, group: PrefillGroup, timeout_s: float, replies: queue.Queue[Reply]) -> None:
@@ -120,7 +120,7 @@ class FakeCaller:
         pass
 
 
-def run_loop(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+def run_loop(loop: DecodeLoop, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
     done: dict[str, RequestOutput] = {}
     for i, p in enumerate(prompts):
         loop.submit(f"q{i}", p, params, lambda out: done.__setitem__(out.request_id, out) if out.finished else None)
@@ -135,16 +135,16 @@ def test_a_refusing_prefill_group_is_skipped_and_requests_fail_cleanly_when_none
     decode = tiny_engine(tiny_engine_dir("llama"))
     dside = DecodeSide(fabric.agent("d0"), engine_layout(decode), decode.kv.pools, metadata_bytes(decode), 4)
     prefill = tiny_engine(tiny_engine_dir("llama"), chunk=8, budget=16)
-    server = PrefillServer.standalone(prefill, fabric.agent("p1"))
+    server = PrefillLoop.standalone(prefill, fabric.agent("p1"))
     server.handshake([dside.endpoint()])
     dside.connect([server.side.endpoint()])
-    gone = PrefillServer.standalone(tiny_engine(tiny_engine_dir("llama")), fabric.agent("p0"))  # never reached
+    gone = PrefillLoop.standalone(tiny_engine(tiny_engine_dir("llama")), fabric.agent("p0"))  # never reached
     dside.connect([gone.side.endpoint()])
     groups = [PrefillGroup(0, "unused:0", ["p0"]), PrefillGroup(1, "unused:1", ["p1"])]
     FakeCaller.servers, FakeCaller.calls = {1: server}, []
     side = GroupDecodeSide(dside, GroupChannel(decode), ["d0"])
     fetcher = KVFetcher(decode, side, groups, 30.0, 5.0, caller=FakeCaller)
-    loop = EngineLoop(decode, kv=fetcher)
+    loop = DecodeLoop(decode, kv=fetcher)
     try:
         prompts = [prompt_of(n, n) for n in (6, 19, 33)]
         params = SamplingParams(max_tokens=7)

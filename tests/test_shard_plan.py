@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from kv_messenger.layout import AttentionKind, IncompatibleLayoutError, KVLayoutSpec
 from kv_messenger.shard_plan import plan_writes
 from tests.kv_reference import logical_pages, rank_pages
-from torch_engine.config import KVLayout
+from torch_engine.config import DType, KVLayout
 
 
 @st.composite
@@ -21,7 +22,7 @@ def plan_cases(draw: st.DrawFn) -> tuple[KVLayoutSpec, KVLayoutSpec, list[tuple[
     ts, td = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
     layout = draw(st.sampled_from(list(KVLayout)))
     page = draw(st.sampled_from([1, 2, 16]))
-    common = {"kind": kind, "num_layers": 2, "page_size": page, "layout": layout, "dtype": "bfloat16"}
+    common: dict[str, Any] = {"kind": kind, "num_layers": 2, "page_size": page, "layout": layout, "dtype": "bfloat16"}
     if kind is AttentionKind.GQA:
         common |= {"kv_heads": draw(st.sampled_from([1, 2, 4, 8])), "head_dim": draw(st.sampled_from([2, 4]))}
     else:
@@ -63,18 +64,30 @@ def test_plan_moves_the_right_bytes_exactly_once(case) -> None:
 
 
 def test_replicas_spread_across_sources() -> None:
-    common = {"kind": AttentionKind.GQA, "num_layers": 1, "page_size": 4, "layout": KVLayout.HND, "dtype": "float32"}
+    common: dict[str, Any] = {
+        "kind": AttentionKind.GQA,
+        "num_layers": 1,
+        "page_size": 4,
+        "layout": KVLayout.HND,
+        "dtype": "float32",
+    }
     src = KVLayoutSpec(tp_size=4, kv_heads=2, head_dim=8, **common)  # each head on 2 ranks
     dst = KVLayoutSpec(tp_size=2, kv_heads=2, head_dim=8, **common)
     sources = {w.src_rank for seed in range(4) for w in plan_writes(src, dst, [(0, 0)], seed).writes}
     assert sources == {0, 1, 2, 3}
-    mla = {"kind": AttentionKind.MLA, "num_layers": 1, "page_size": 4, "layout": KVLayout.HND, "dtype": "float32"}
+    mla: dict[str, Any] = {
+        "kind": AttentionKind.MLA,
+        "num_layers": 1,
+        "page_size": 4,
+        "layout": KVLayout.HND,
+        "dtype": "float32",
+    }
     msrc, mdst = KVLayoutSpec(tp_size=2, latent_dim=8, **mla), KVLayoutSpec(tp_size=4, latent_dim=8, **mla)
     assert {w.src_rank for w in plan_writes(msrc, mdst, [(0, 0)], 0).writes} == {0, 1}
 
 
 def test_write_counts_hnd_vs_nhd() -> None:
-    common = {
+    common: dict[str, Any] = {
         "kind": AttentionKind.GQA,
         "num_layers": 1,
         "page_size": 16,
@@ -94,8 +107,14 @@ def test_write_counts_hnd_vs_nhd() -> None:
 
 
 def test_incompatible_layouts_are_refused() -> None:
-    common = {"kind": AttentionKind.GQA, "num_layers": 2, "layout": KVLayout.HND, "kv_heads": 4, "head_dim": 8}
-    a = KVLayoutSpec(page_size=16, dtype="bfloat16", **common)
-    b = KVLayoutSpec(page_size=32, dtype="float32", **common)
+    common: dict[str, Any] = {
+        "kind": AttentionKind.GQA,
+        "num_layers": 2,
+        "layout": KVLayout.HND,
+        "kv_heads": 4,
+        "head_dim": 8,
+    }
+    a = KVLayoutSpec(page_size=16, dtype=DType.BFLOAT16, **common)
+    b = KVLayoutSpec(page_size=32, dtype=DType.FLOAT32, **common)
     with pytest.raises(IncompatibleLayoutError, match=r"page_size: 16 vs 32; dtype: bfloat16 vs float32"):
         plan_writes(a, b, [(0, 0)])

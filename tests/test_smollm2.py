@@ -33,6 +33,7 @@ def engine(smollm2_dir: Path) -> LLMEngine:
 
 def test_greedy_equals_hf(engine: LLMEngine, hf_smollm2: torch.nn.Module) -> None:
     tok = engine.tokenizer
+    assert tok is not None
     prompts = [
         tok.encode("The capital of France is"),
         tok.encode("def fibonacci(n):"),
@@ -46,22 +47,24 @@ def test_greedy_equals_hf(engine: LLMEngine, hf_smollm2: torch.nn.Module) -> Non
 
 
 def test_chat_template_and_stop_string(engine: LLMEngine) -> None:
-    ids = engine.tokenizer.encode("hi", chat=True)
-    assert engine.tokenizer.decode(ids).startswith("system") or "<|im_start|>" in engine.tokenizer.hf.decode(ids)
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = tok.encode("hi", chat=True)
+    assert tok.decode(ids).startswith("system") or "<|im_start|>" in tok.hf.decode(ids)
     full = engine.generate(["The capital of France is"], SamplingParams(max_tokens=20))[0]
-    text = engine.tokenizer.decode(full)
+    text = tok.decode(full)
     stop = text.strip().split()[1]  # the second word of the greedy answer
     rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=20, stop=(stop,)))
     while engine.has_unfinished():
         engine.step()
-    req = engine.requests[rid]
+    req = engine.request(rid)
     assert req.finish_reason is FinishReason.STOP
     assert stop not in req.text and text.startswith(req.text)
     assert len(req.output_ids) < len(full)
 
 
 def test_cli_generate_streams(smollm2_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "generate", "--engine", str(smollm2_dir)]
+    cmd = [sys.executable, "-m", "disagg.cli", "generate", "--engine", str(smollm2_dir)]
     cmd += ["--prompt", "The capital of France is", "--max-tokens", "8", "--threads", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -70,7 +73,7 @@ def test_cli_generate_streams(smollm2_dir: Path) -> None:
 
 
 def test_cli_rejects_bad_input(smollm2_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "generate", "--engine", str(smollm2_dir)]
+    cmd = [sys.executable, "-m", "disagg.cli", "generate", "--engine", str(smollm2_dir)]
     cmd += ["--prompt", "hi", "--top-p", "0"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2

@@ -12,21 +12,23 @@ from torch_engine.engine import LLMEngine
 from torch_engine.request import RequestKind, RequestState
 from torch_engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("engine_path")  # reference, fast (packed) and decode-graph paths
+
 
 def split_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
     pid = prefill.add_request(prompt, kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
-    while prefill.requests[pid].state is not RequestState.PREFILLED:
+    while prefill.request(pid).state is not RequestState.PREFILLED:
         prefill.step()
     result = prefill.prefill_result(pid)
     assert result.num_tokens == len(prompt) - 1
     did, pages = decode.reserve_for_kv(prompt, params)
-    assert decode.allocator.stats().pinned == len(pages)
+    assert decode.page_stats().pinned == len(pages)
     decode.kv.copy_pages_from(prefill.kv, result.pages[: len(pages)], pages)  # stands in for the messenger
     prefill.release(pid)
     decode.kv_ready(did)
-    while not decode.requests[did].finished:
+    while not decode.request(did).finished:
         decode.step()
-    return list(decode.requests[did].output_ids)
+    return list(decode.request(did).output_ids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
@@ -52,12 +54,13 @@ def test_prefill_returns_last_hidden_and_logits(tiny, tiny_engine_dir) -> None:
         ref = hf(torch.tensor([prompt[:-1]]), output_hidden_states=True)
     torch.testing.assert_close(result.last_logits, ref.logits[0, -1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(result.last_hidden, ref.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
-    assert result.num_tokens == len(prompt) - 1 and not engine.requests[pid].output_ids  # nothing sampled
+    assert result.num_tokens == len(prompt) - 1 and not engine.request(pid).output_ids  # nothing sampled
 
 
 def test_split_smollm2(smollm2_dir) -> None:
     cfg = EngineConfig(engine_dir=smollm2_dir, num_pages=64)
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    assert prefill.tokenizer is not None
     prompt = prefill.tokenizer.encode("Name three primary colours.", chat=True)
     params = SamplingParams(max_tokens=16)
     plain = prefill.generate([prompt], params)[0]
@@ -67,8 +70,8 @@ def test_split_smollm2(smollm2_dir) -> None:
 def test_abort_while_waiting_for_kv_defers_free_until_unpinned(tiny_engine_dir) -> None:
     engine = tiny_engine(tiny_engine_dir("llama"))
     rid, pages = engine.reserve_for_kv(prompt_of(30, 2), SamplingParams(max_tokens=4))
-    engine.allocator.pin(pages)  # a transfer still targets these pages
+    engine.pin_pages(pages)  # a transfer still targets these pages
     assert engine.abort(rid)
     assert engine.page_stats().used == len(pages)  # not reusable while a write may land
-    engine.allocator.unpin(pages)
+    engine.unpin_pages(pages)
     assert engine.page_stats().used == 0

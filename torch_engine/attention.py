@@ -113,11 +113,12 @@ def paged_attention(
             k, v = gather(table)
             return attend(qd.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
-    if meta.decode_only:
-        return decode(q, meta.decode_page_table, meta.decode_mask)
+    table, mask = meta.decode_page_table, meta.decode_mask
+    if meta.decode_only and table is not None and mask is not None:
+        return decode(q, table, mask)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    if meta.decode_rows is not None:
-        out[meta.decode_rows] = decode(q[meta.decode_rows], meta.decode_page_table, meta.decode_mask)
+    if meta.decode_rows is not None and table is not None and mask is not None:
+        out[meta.decode_rows] = decode(q[meta.decode_rows], table, mask)
     for seg in meta.prefills:
         k, v = gather(seg.page_table)
         o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), k, v, seg.mask, scale)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+TorchDType = torch.dtype
 MANIFEST_NAME = "engine.json"
 MANIFEST_VERSION = 1
 
@@ -47,6 +49,14 @@ class DType(enum.Enum):
     @property
     def torch(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.value]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch.itemsize
+
+    @classmethod
+    def of(cls, dtype: TorchDType) -> DType:
+        return cls(str(dtype).removeprefix("torch."))
 
 
 class Family(enum.Enum):
@@ -185,18 +195,28 @@ class EngineManifest(_Frozen):
         (Path(engine_dir) / MANIFEST_NAME).write_text(self.model_dump_json(indent=2), encoding="utf-8")
 
 
+class SchedulerConfig(_Frozen):
+    """Continuous batching limits (the cluster config's ``scheduler`` section is this model)."""
+
+    max_num_seqs: int = Field(default=32, ge=1, description="requests in one step")
+    max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget per step")
+    max_prefill_chunk: int = Field(default=512, ge=1, description="chunked prefill: largest chunk of one request")
+
+
 class EngineConfig(_Frozen):
     """Runtime settings of one engine instance (one TP rank)."""
 
     engine_dir: Path
     device: str = "cpu"
-    dtype: DType | None = None  # None: the manifest's dtype
+    dtype: DType | Literal["auto"] | None = None  # None: the manifest's; auto: the fastest native dtype
     page_size: int | None = Field(default=None, ge=1)  # None: the manifest's
     kv_layout: KVLayout | None = None  # None: the manifest's
     num_pages: int = Field(default=512, ge=1)
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=1)  # per-step token budget
-    max_prefill_chunk: int = Field(default=512, ge=1)  # longest prefill chunk of one request per step
+    scheduler: SchedulerConfig = SchedulerConfig()
     max_model_len: int | None = Field(default=None, ge=2)  # None: the model's max positions
-    tp_rank: int = Field(default=0, ge=0)
     num_threads: int | None = Field(default=None, ge=1)
+    # decode-only steps through static buffers, replayed as CUDA graphs on a GPU. None: on for CUDA
+    # (TP 1, models without MoE), off on CPUs (padding to a bucket costs more than launches save there)
+    decode_graphs: bool | None = None
+    # fp32 on a CPU: GEMM weights packed once for MKL (``auto`` dtype implies it where it picks fp32)
+    prepack: bool = False

@@ -1,10 +1,10 @@
 """The engine: requests in, tokens out, one ``step()`` at a time.
 
 ``LLMEngine`` owns the model (this rank's shard), the paged KV cache, the page allocator,
-the scheduler and the per-layer progress counter. It never imports Triton or the messenger;
-a messenger plugs in through ``StepObserver`` (told what runs before each step), the page
-allocator, ``LayerProgress``, and the split-request calls (``add_request(kind=...)``,
-``reserve_for_kv`` / ``kv_ready`` / ``kv_failed``, ``release``).
+the scheduler and the per-layer progress counter; all of them are private. It never imports
+Triton, the messenger or the serving runtime: a KV connector drives it through the port that
+``torch_engine/connector.py`` documents (admit, before step, around the step, poll), using only
+the public methods below.
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ import itertools
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from safetensors.torch import load_file
 
 from torch_engine.config import EngineConfig, EngineManifest
+from torch_engine.connector import StepObserver, TickHook
+from torch_engine.cpu import cpu_info
+from torch_engine.decode_graphs import DecodeGraphs
 from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
 from torch_engine.layer_progress import LayerProgress
-from torch_engine.model_runner import ModelRunner
+from torch_engine.layers import Linear
+from torch_engine.model_runner import ModelRunner, StepInputs
 from torch_engine.models import build_model, cache_spec
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
@@ -29,10 +32,6 @@ from torch_engine.request import FinishReason, Request, RequestKind, RequestOutp
 from torch_engine.sampling import InvalidRequestError, SamplerState, SamplingParams, sample
 from torch_engine.scheduler import Scheduler, SchedulerOutput
 from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class StepObserver(Protocol):
-    def before_step(self, sched: SchedulerOutput) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,18 @@ class PrefillResult:
     last_logits: torch.Tensor | None
 
 
-def load_weights(manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device) -> CausalLM:
+def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.device) -> torch.dtype:
+    """The dtype the engine computes in: the config's, or ``auto``: bf16 on GPUs and on CPUs with native
+    bf16 dot products (AVX-512 BF16 / AMX), fp32 elsewhere; None: the manifest's."""
+    if config.dtype == "auto":
+        native = device.type == "cuda" or cpu_info().native_bf16
+        return torch.bfloat16 if native else torch.float32
+    return (config.dtype or manifest.dtype).torch
+
+
+def load_weights(
+    manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
+) -> CausalLM:
     path = config.engine_dir / f"rank{tp.rank}.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{config.engine_dir} has no weights for TP rank {tp.rank} ({path.name})")
@@ -54,7 +64,6 @@ def load_weights(manifest: EngineManifest, config: EngineConfig, tp: TPGroup, de
         state = load_file(str(path), device=str(device))
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"{path} is corrupt or unreadable: {exc}") from exc
-    dtype = (config.dtype or manifest.dtype).torch
     with torch.device("meta"):
         model = build_model(manifest.model, tp)
     expected = set(model.state_dict())
@@ -84,24 +93,33 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         mc = self.manifest.model
         self.device = torch.device(config.device)
-        self.dtype = (config.dtype or self.manifest.dtype).torch
+        self.dtype = run_dtype(config, self.manifest, self.device)
         self.page_size = config.page_size or self.manifest.page_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = load_weights(self.manifest, config, self.tp, self.device)
+        self.model = load_weights(self.manifest, config, self.tp, self.device, self.dtype)
+        self.prepacked = (config.prepack or config.dtype == "auto") and self._prepack()
         layout = config.kv_layout or self.manifest.kv_layout
-        self.kv = PagedKVCache(
-            cache_spec(mc, self.tp.size, config.num_pages, self.page_size, layout, self.dtype), self.device
-        )
+        graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
+        graphs = graphs and self.tp.size == 1 and not mc.n_routed_experts
+        pool_pages = config.num_pages + int(graphs)  # + the decode graphs' scratch page, outside the allocator
+        spec = cache_spec(mc, self.tp.size, pool_pages, self.page_size, layout, self.dtype)
+        self.kv = PagedKVCache(spec, self.device)
         self.progress = LayerProgress(mc.num_layers, self.device)
-        self.allocator = PageAllocator(config.num_pages)
-        self.scheduler = Scheduler(
-            self.allocator, self.page_size, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk
+        self._allocator = PageAllocator(config.num_pages)
+        self._scheduler = Scheduler(
+            self._allocator,
+            self.page_size,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_prefill_chunk,
         )
-        self.runner = ModelRunner(self.model, self.kv, self.progress, self.tp, self.device, self.max_model_len)
+        self._runner = ModelRunner(self.model, self.kv, self.progress, self.tp, self.device, self.max_model_len)
+        if graphs:
+            self._runner.use_decode_graphs(config.num_pages, config.scheduler.max_num_seqs)
         self.tokenizer = Tokenizer(config.engine_dir) if load_tokenizer and self.manifest.has_tokenizer else None
         self.eos_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.requests: dict[str, Request] = {}
-        self.observers: list[StepObserver] = []
+        self._requests: dict[str, Request] = {}
+        self._observers: list[StepObserver] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
@@ -119,12 +137,12 @@ class LLMEngine:
         """Validate and queue a request; raises ``InvalidRequestError`` naming the problem."""
         req = self._new_request(prompt, params, request_id, kind, chat)
         req.want_last_hidden = want_last_hidden
-        self.requests[req.request_id] = req
+        self._requests[req.request_id] = req
         if kind is RequestKind.PREFILL_ONLY and req.compute_target == 0:
             req.state = RequestState.PREFILLED  # a one-token prompt has no KV to prefill
-            self.scheduler.prefilled[req.request_id] = req
+            self._scheduler.prefilled[req.request_id] = req
         else:
-            self.scheduler.add(req)
+            self._scheduler.add(req)
         return req.request_id
 
     def reserve_for_kv(
@@ -133,10 +151,10 @@ class LLMEngine:
         """Decode half of a split request: reserve and pin pages for the KV of ``prompt[:-1]``."""
         req = self._new_request(prompt, params, request_id, RequestKind.DECODE_FROM_KV, False)
         n = len(req.prompt_ids) - 1
-        if not self.scheduler.can_reserve(n):
+        if not self._scheduler.can_reserve(n):
             raise InvalidRequestError(f"not enough free KV pages for {n} tokens right now; retry later")
-        self.requests[req.request_id] = req
-        self.scheduler.reserve(req, n)
+        self._requests[req.request_id] = req
+        self._scheduler.reserve(req, n)
         return req.request_id, list(req.pages)
 
     def kv_ready(self, request_id: str) -> None:
@@ -144,7 +162,7 @@ class LLMEngine:
         req = self._get(request_id)
         if req.state is not RequestState.WAITING_FOR_KV:
             raise ValueError(f"request {request_id} is not waiting for KV (state {req.state.name})")
-        self.scheduler.kv_ready(req)
+        self._scheduler.kv_ready(req)
 
     def kv_failed(self, request_id: str, error: str) -> None:
         self._finish(self._get(request_id), RequestState.FAILED, FinishReason.ERROR, error)
@@ -164,7 +182,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state; returns False if it is unknown or already over."""
-        req = self.requests.get(request_id)
+        req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
         self._finish(req, RequestState.ABORTED, FinishReason.ABORT)
@@ -172,31 +190,114 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self._scheduler.schedule()
         if not sched.chunks:
             return []
-        for obs in self.observers:
+        for obs in self._observers:
             obs.before_step(sched)
-        hidden = self.runner.run(sched)
+        hidden = self._runner.run(sched)
+        for obs in self._observers:
+            obs.after_forward(sched)
         return self._postprocess(sched, hidden)
 
     def has_unfinished(self) -> bool:
-        s = self.scheduler
+        s = self._scheduler
         return bool(s.waiting or s.running)
 
     def page_stats(self) -> PageStats:
-        return self.allocator.stats()
+        return self._allocator.stats()
+
+    @property
+    def kernel_path(self) -> str:
+        """Which compute path this engine runs: device, dtype, weight preparation, decode graphs."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type == "cuda":
+            graphs = "cuda-graphs" if self._runner.graphs is not None else "eager"
+            return f"cuda/{dtype}/{graphs}"
+        gemm = "mkl-packed" if self.prepacked else ("native-bf16" if cpu_info().native_bf16 else "plain")
+        return f"cpu/{dtype}/{gemm}/{cpu_info().simd}"
+
+    def decode_graphs_stats(self) -> DecodeGraphs | None:
+        """The decode-graph buckets (``replays``, ``captured``), or None when this engine runs eagerly."""
+        return self._runner.graphs
+
+    def _prepack(self) -> bool:
+        """Pack every fp32 GEMM weight once for MKL (CPU only); True if any was packed."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.prepack()
+        return bool(linears)
+
+    def queue_depths(self) -> tuple[int, int]:
+        """(waiting, running) requests."""
+        return len(self._scheduler.waiting), len(self._scheduler.running)
+
+    # -- the connector port (torch_engine/connector.py) ----------------------------------
+    def attach(self, observer: StepObserver) -> None:
+        """Call ``observer`` before every step and after its forward pass."""
+        self._observers.append(observer)
+
+    def set_tick_hook(self, hook: TickHook | None) -> None:
+        """TP leader: wrap each step's broadcast (the messenger's commands ride along)."""
+        self._runner.tick_hook = hook
+
+    def next_forward(self) -> int:
+        """The layer counter value the next forward pass reaches (``progress.completed(layer)`` of
+        every layer equals it once that pass has run)."""
+        return self.progress.completed(self.progress.num_layers - 1) + 1
+
+    def pin_pages(self, pages: list[int]) -> None:
+        """Hold pages against reuse (a transfer reads or writes them); the scheduler never preempts a
+        request with pinned pages, and freeing a pinned page waits for its last ``unpin_pages``."""
+        self._allocator.pin(pages)
+
+    def unpin_pages(self, pages: list[int]) -> None:
+        self._allocator.unpin(pages)
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return self._scheduler.can_reserve(num_tokens)
+
+    def request(self, request_id: str) -> Request:
+        """The record of a known request (finished ones stay until ``retire``); KeyError if unknown."""
+        return self._get(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def retire(self, request_id: str) -> Request | None:
+        """Forget a finished request (aborting it first if it is still live); returns its record."""
+        self.abort(request_id)
+        return self._requests.pop(request_id, None)
+
+    def waiting_for_kv(self) -> list[str]:
+        return list(self._scheduler.kv_wait)
+
+    def prefilled(self) -> list[str]:
+        return list(self._scheduler.prefilled)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._scheduler.num_preemptions
+
+    def execute_step(self, inputs: StepInputs) -> None:
+        """TP follower: run one broadcast step (the leader's ``TickHook`` wrapped it)."""
+        self._runner.execute(inputs)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._runner.logits(hidden)
 
     def shutdown(self) -> None:
         """Leader: release the TP followers from ``run_follower``."""
-        self.runner.stop_followers()
+        self._runner.stop_followers()
 
     def run_follower(self, on_message: Callable[[object], None] | None = None) -> None:
         """TP ranks > 0: execute every step the leader broadcasts until it shuts down (``on_message``
         handles what a ``TickHook`` on the leader wraps the steps in)."""
         if self.tp.is_leader:
             raise RuntimeError("the TP leader drives the engine with step(); only followers run this loop")
-        self.runner.follower_loop(on_message)
+        self._runner.follower_loop(on_message)
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None) -> list[list[int]]:
@@ -204,23 +305,19 @@ class LLMEngine:
         ids = [self.add_request(p, params) for p in prompts]
         while self.has_unfinished():
             self.step()
-        out = [list(self.requests[i].output_ids) for i in ids]
-        for i in ids:
-            self.requests.pop(i, None)
-        return out
+        return [list(r.output_ids) for r in (self.retire(i) for i in ids) if r is not None]
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[RequestOutput]:
         rid = self.add_request(prompt, params, chat=chat)
         try:
-            while not self.requests[rid].finished:
+            while not self._requests[rid].finished:
                 for out in self.step():
                     if out.request_id == rid:
                         yield out
         finally:
-            self.abort(rid)
-            self.requests.pop(rid, None)
+            self.retire(rid)
 
     # -- internals -----------------------------------------------------------------------
     def _new_request(
@@ -239,6 +336,20 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, chat=chat)
         else:
             ids = [int(t) for t in prompt]
+        self.check_prompt(ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(request_id=rid, prompt_ids=ids, params=params, kind=kind, sampler=SamplerState.seeded(seed))
+        if params.stop and self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids[-4:])
+        elif params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        return req
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        """Raise ``InvalidRequestError`` naming the problem if this engine cannot take the prompt."""
         if not ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.manifest.model.vocab_size
@@ -249,33 +360,23 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt + output)"
             )
-        need = self.scheduler.pages_for(len(ids) + 1)
-        if need > self.allocator.num_pages:
-            raise InvalidRequestError(f"prompt needs {need} KV pages; the pool has {self.allocator.num_pages}")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid, ids, params, kind, SamplerState.seeded(seed))
-        if params.stop and self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids[-4:])
-        elif params.stop:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
-        return req
+        need = self._scheduler.pages_for(len(ids) + 1)
+        if need > self._allocator.num_pages:
+            raise InvalidRequestError(f"prompt needs {need} KV pages; the pool has {self._allocator.num_pages}")
 
     def _get(self, request_id: str) -> Request:
         try:
-            return self.requests[request_id]
+            return self._requests[request_id]
         except KeyError:
             raise KeyError(f"unknown request {request_id!r}") from None
 
     def _finish(self, req: Request, state: RequestState, reason: FinishReason, error: str | None = None) -> None:
-        self.scheduler.finish(req, state, reason, error)
+        self._scheduler.finish(req, state, reason, error)
         self._detok.pop(req.request_id, None)
 
     def _postprocess(self, sched: SchedulerOutput, hidden: torch.Tensor) -> list[RequestOutput]:
         rows = [c for c in sched.chunks if c.samples or (c.completes and c.request.want_last_hidden)]
-        logits = self.runner.logits(hidden) if rows else hidden
+        logits = self._runner.logits(hidden) if rows else hidden
         sampling = [i for i, c in enumerate(rows) if c.samples]
         tokens = sample(
             logits[sampling], [rows[i].request.params for i in sampling], [rows[i].request.sampler for i in sampling]
@@ -289,8 +390,10 @@ class LLMEngine:
             req = c.request
             req.num_computed += c.length
             if req.kind is RequestKind.PREFILL_ONLY and c.completes:
-                self.scheduler.mark_prefilled(req)
-                outputs.append(RequestOutput(req.request_id, [], [], True, FinishReason.PREFILLED))
+                self._scheduler.mark_prefilled(req)
+                outputs.append(
+                    RequestOutput(request_id=req.request_id, finished=True, finish_reason=FinishReason.PREFILLED)
+                )
             elif c.samples:
                 outputs.append(self._append_token(req, by_req[id(req)]))
         return outputs
@@ -316,5 +419,11 @@ class LLMEngine:
         if reason is not None:
             self._finish(req, RequestState.FINISHED, reason)
         return RequestOutput(
-            req.request_id, [token], list(req.output_ids), reason is not None, reason, None, delta, len(req.prompt_ids)
+            request_id=req.request_id,
+            new_token_ids=[token],
+            output_ids=list(req.output_ids),
+            finished=reason is not None,
+            finish_reason=reason,
+            text=delta,
+            prompt_tokens=len(req.prompt_ids),
         )

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_engine.attention import AttentionMetadata, PrefillSegment, context_mask
+from torch_engine.decode_graphs import DecodeGraphs
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import RotaryTable
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
 from torch_engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from torch_engine.connector import TickHook
 
 
 @dataclass(slots=True)
@@ -34,12 +38,6 @@ class StepInputs:
     decode_kv_lens: torch.Tensor | None  # [B]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (row start, row end, first position, page table [1, M])
     output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
-
-
-class TickHook(Protocol):
-    def wrap(self, inputs: StepInputs) -> object: ...  # what the leader broadcasts instead of ``inputs``
-
-    def after(self) -> None: ...  # the leader ran the step (the followers too)
 
 
 def _page_table(rows: list[list[int]]) -> torch.Tensor:
@@ -67,6 +65,14 @@ class ModelRunner:
         cfg = model.cfg
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.tick_hook: TickHook | None = None
+        self.graphs: DecodeGraphs | None = None  # decode-only steps through static buffers / CUDA graphs
+
+    def use_decode_graphs(self, scratch_page: int, max_batch: int) -> None:
+        """Serve decode-only steps from ``DecodeGraphs`` (captured on CUDA, eager buffers elsewhere)."""
+        capture = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(
+            self.model, self.kv, self.progress, self.rope, self.device, scratch_page, max_batch, capture
+        )
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
@@ -125,6 +131,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, s: StepInputs) -> torch.Tensor:
         """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
+        g, tables, lens = self.graphs, s.decode_tables, s.decode_kv_lens
+        if g is not None and tables is not None and lens is not None and g.eligible(len(s.input_ids), bool(s.prefills)):
+            return g.run(s.input_ids, s.positions, tables, lens)[s.output_rows.to(self.device)]
         h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)
         return self.model.norm(h[s.output_rows.to(self.device)])
 

@@ -47,7 +47,7 @@ class FinishReason(enum.IntEnum):
     PREFILLED = 4
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -87,14 +87,14 @@ class Request:
         return self.state >= RequestState.FINISHED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestOutput:
     """What one step produced for one request."""
 
     request_id: str
-    new_token_ids: list[int]
-    output_ids: list[int]
-    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""

@@ -20,12 +20,15 @@ class Tokenizer:
             if not self.has_chat_template:
                 raise ValueError("this model has no chat template")
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(self.hf.encode(text, add_special_tokens=False))
+            rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert isinstance(rendered, str)
+            return list(self.hf.encode(rendered, add_special_tokens=False))
         return list(self.hf.encode(text))
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        text = self.hf.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -1,17 +1,27 @@
 """Triton Python-based backend ``disagg_backend``: tensors <-> typed requests, nothing else.
 
-In the decode role the engine runs on its own thread (``torch_engine.serving.EngineLoop``);
-``execute`` only parses each request and hands it over, so the stub never blocks on one
-request, and responses (token windows) go back through each request's decoupled sender.
-Preprocessing and postprocessing are plain request -> response conversions. Bad input gets a
-per-request error.
+``TritonPythonModel`` reads the model config's ``role`` parameter and hands every call to one
+small class per role, each owning its own state:
+
+- ``Preprocessing``: ``text_input`` (+ ``chat``) -> ``input_ids``.
+- ``Decode`` (decoupled): parses each request and hands it to the node's ``DecodeLoop`` (the
+  engine on its own thread, ``serving.node.decode_loop``), so the stub never blocks on one
+  request; a ``_Responder`` per request streams token windows back; Prometheus metrics.
+- ``Postprocessing``: a token window -> text (the same no-split rule as the engine loop).
+- ``Prefill`` (prefill nodes): ``handshake`` and ``prefill_request`` for the node's
+  ``PrefillLoop``; KV transfer metrics.
+
+Bad input gets a per-request error that names the problem.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -19,106 +29,154 @@ from pydantic import ValidationError
 
 from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
-from kv_messenger.trace import Tracer
-from orchestrator.llm_request import parse_sampling, parse_stop_words, parse_text
-from orchestrator.node import decode_loop, prefill_server
-from orchestrator.node_config import NodeConfig
+from serving.decode_loop import DecodeLoop
+from serving.llm_request import Getter, parse_sampling, parse_stop_words, parse_text
+from serving.names import BackendRole, Model, Tensor
+from serving.node import decode_loop, prefill_loop
+from serving.node_config import NODE_CONFIG_ENV, NodeConfig
+from serving.trace import Tracer
 from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError
-from torch_engine.serving import EngineLoop
 from torch_engine.tokenizer import Tokenizer, window_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+Request = Any  # pb_utils.InferenceRequest (the stub's own type, not importable for annotations)
+Response = Any  # pb_utils.InferenceResponse
 
 
 class TritonPythonModel:
-    """One class, four roles (the model config's ``role`` parameter): ``preprocessing`` (text ->
-    token ids), ``decode`` (token ids -> streamed token windows, decoupled; owns the engine),
-    ``postprocessing`` (token window -> text) and ``prefill`` (prefill nodes)."""
+    """One backend, four roles: ``initialize`` picks the role class, the rest delegates to it."""
 
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
-        self.role = config["parameters"]["role"]["string_value"]
-        self.node = NodeConfig.load(os.environ["DISAGG_NODE_CONFIG"])
-        if self.role == "decode":
-            self.metrics = _Metrics()
-            self.loop, self.tracer = decode_loop(self.node, on_step=self.metrics.step)
-        elif self.role == "prefill":
-            self.transfers = _TransferMetrics()
-            self.prefill = prefill_server(self.node, on_done=self.transfers.done)
-        else:
-            self.tokenizer = Tokenizer(self.node.engine_dir)
+        role = BackendRole(config["parameters"]["role"]["string_value"])
+        node = NodeConfig.load(os.environ[NODE_CONFIG_ENV])
+        roles: dict[BackendRole, Callable[[NodeConfig], _Role]] = {
+            BackendRole.PREPROCESSING: Preprocessing,
+            BackendRole.DECODE: Decode,
+            BackendRole.POSTPROCESSING: Postprocessing,
+            BackendRole.PREFILL: Prefill,
+        }
+        self.role = roles[role](node)
 
-    def execute(self, requests: list) -> list | None:
-        if self.role == "decode":
-            for request in requests:
-                self._decode(request)
-            return None
-        return [self._convert(request) for request in requests]
+    def execute(self, requests: list[Request]) -> list[Response] | None:
+        return self.role.execute(requests)
 
-    def _convert(self, request: object) -> object:
-        get = _getter(request)
+    def finalize(self) -> None:
+        self.role.finalize()
+
+
+class _Role:
+    def execute(self, requests: list[Request]) -> list[Response] | None:
+        return [self.respond(request) for request in requests]
+
+    def respond(self, request: Request) -> Response:
         try:
-            if self.role == "prefill":
-                return self._prefill(get)
-            if self.role == "preprocessing":
-                prompt, chat = parse_text(get)
-                ids = np.array(self.tokenizer.encode(prompt, chat=chat), dtype=np.int32)
-                return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("input_ids", ids)])
-            window = [int(t) for t in get("output_ids").reshape(-1)]
-            text = window_text(self.tokenizer, window, int(get("text_skip").reshape(-1)[0]))
-            for stop in parse_stop_words(get):  # a stop string inside this piece ends the text there
-                text = text.split(stop, 1)[0]
-            return _text_response(text)
+            return self.convert(_getter(request))
         except InvalidRequestError as exc:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+            return _error(str(exc))
 
-    def _prefill(self, get) -> object:
-        """``handshake``: decode endpoints in, our endpoint out; ``prefill_request``: queue it, return the load."""
-        hs, pr = get("handshake"), get("prefill_request")
+    def convert(self, get: Getter) -> Response:
+        raise InvalidRequestError(f"{type(self).__name__} answers through its own execute")
+
+    def finalize(self) -> None:
+        pass
+
+
+class Preprocessing(_Role):
+    def __init__(self, node: NodeConfig) -> None:
+        self.tokenizer = Tokenizer(node.engine.engine_dir)
+
+    def convert(self, get: Getter) -> Response:
+        prompt, chat = parse_text(get)
+        ids = np.array(self.tokenizer.encode(prompt, chat=chat), dtype=np.int32)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(Tensor.INPUT_IDS, ids)])
+
+
+class Postprocessing(_Role):
+    def __init__(self, node: NodeConfig) -> None:
+        self.tokenizer = Tokenizer(node.engine.engine_dir)
+
+    def convert(self, get: Getter) -> Response:
+        window = [int(t) for t in _required(get, Tensor.OUTPUT_IDS).reshape(-1)]
+        text = window_text(self.tokenizer, window, int(_required(get, Tensor.TEXT_SKIP).reshape(-1)[0]))
+        for stop in parse_stop_words(get):  # a stop string inside this piece ends the text there
+            text = text.split(stop, 1)[0]
+        return pb_utils.InferenceResponse(output_tensors=[_strings(Tensor.TEXT_OUTPUT, text)])
+
+
+class Prefill(_Role):
+    """``handshake``: decode endpoints in, our endpoint out; ``prefill_request``: queue it, return the load."""
+
+    def __init__(self, node: NodeConfig) -> None:
+        self.transfers = _TransferMetrics()
+        self.loop = prefill_loop(node, on_done=self.transfers.done)
+
+    def convert(self, get: Getter) -> Response:
+        hs, pr = get(Tensor.HANDSHAKE), get(Tensor.PREFILL_REQUEST)
         try:
             if hs is not None:
                 eps = [RankEndpoint.model_validate(e) for e in json.loads(hs.reshape(-1)[0])]
-                mine = self.prefill.handshake(eps).model_dump_json()
-                return pb_utils.InferenceResponse(output_tensors=[_strings("endpoint", mine)])
+                mine = self.loop.handshake(eps).model_dump_json()
+                return pb_utils.InferenceResponse(output_tensors=[_strings(Tensor.ENDPOINT, mine)])
             if pr is not None:
-                load = self.prefill.submit(PrefillRequest.model_validate_json(pr.reshape(-1)[0]))
-                return pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor("load_tokens", np.array([load], np.int64))]
-                )
+                load = self.loop.submit(PrefillRequest.model_validate_json(pr.reshape(-1)[0]))
+                load_tensor = pb_utils.Tensor(Tensor.LOAD_TOKENS, np.array([load], np.int64))
+                return pb_utils.InferenceResponse(output_tensors=[load_tensor])
         except (ValueError, ValidationError) as exc:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError("send handshake or prefill_request"))
+            return _error(str(exc))
+        return _error(f"send {Tensor.HANDSHAKE} or {Tensor.PREFILL_REQUEST}")
 
-    def _decode(self, request: object) -> None:
+    def finalize(self) -> None:
+        self.loop.stop()
+
+
+class Decode(_Role):
+    """Decoupled: responses go back through each request's sender, from the engine loop thread."""
+
+    def __init__(self, node: NodeConfig) -> None:
+        self.node = node
+        self.metrics = _Metrics()
+        self.loop, self.tracer = decode_loop(node, on_step=self.metrics.step)
+        self._ids = itertools.count()
+
+    def execute(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.submit(request)
+
+    def submit(self, request: Request) -> None:
         sender = request.get_response_sender()
         get = _getter(request)
         try:
-            params, stream = parse_sampling(get, self.node.max_tokens_limit)
+            params, stream = parse_sampling(get, self.node.limits.max_tokens)
         except InvalidRequestError as exc:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            sender.send(_error(str(exc)), flags=FINAL)
             return
-        ids = [int(t) for t in get("input_ids").reshape(-1)]
-        rid = f"{request.request_id() or 'triton'}#{id(request)}"
+        ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
+        rid = f"{request.request_id() or 'triton'}#{next(self._ids)}"  # unique for the life of the node
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
         responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer)
         self.loop.submit(rid, ids, params, responder)
 
     def finalize(self) -> None:
-        if self.role == "decode":
-            self.loop.stop()
-        elif self.role == "prefill":
-            self.prefill.stop()
+        self.loop.stop()
 
 
-def _getter(request: object):
+def _getter(request: Request) -> Getter:
     def get(name: str) -> np.ndarray | None:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
     return get
+
+
+def _required(get: Getter, name: str) -> np.ndarray:
+    value = get(name)
+    if value is None:
+        raise InvalidRequestError(f"input {name} is missing")
+    return value
 
 
 class _Metrics:
@@ -136,12 +194,13 @@ class _Metrics:
             fam("disagg_queue_depth", "Requests waiting / running in the engine", fam.GAUGE),
         ]
         ttft, itl, prompt, gen, pages, queue = self._families
-        self.ttft = ttft.Metric(labels={"model": "llm"}, buckets=buckets)
-        self.itl = itl.Metric(labels={"model": "llm"}, buckets=buckets)
-        self.prompt_tokens = prompt.Metric(labels={"model": "llm"})
-        self.generation_tokens = gen.Metric(labels={"model": "llm"})
-        self.pages = {s: pages.Metric(labels={"model": "llm", "state": s}) for s in ("free", "used", "pinned")}
-        self.queue = {q: queue.Metric(labels={"model": "llm", "queue": q}) for q in ("waiting", "running")}
+        model = {"model": Model.LLM.value}
+        self.ttft = ttft.Metric(labels=model, buckets=buckets)
+        self.itl = itl.Metric(labels=model, buckets=buckets)
+        self.prompt_tokens = prompt.Metric(labels=model)
+        self.generation_tokens = gen.Metric(labels=model)
+        self.pages = {s: pages.Metric(labels=model | {"state": s}) for s in ("free", "used", "pinned")}
+        self.queue = {q: queue.Metric(labels=model | {"queue": q}) for q in ("waiting", "running")}
 
     def step(self, stats: PageStats, waiting: int, running: int) -> None:
         self.pages["free"].set(stats.free)
@@ -161,8 +220,9 @@ class _TransferMetrics:
             fam("disagg_kv_transfer_bytes_total", "KV bytes written to decode nodes", fam.COUNTER),
             fam("disagg_kv_transfer_seconds", "Prefill request received -> its last KV write completed", fam.HISTOGRAM),
         ]
-        self.bytes = self._families[0].Metric(labels={"model": "prefill"})
-        self.seconds = self._families[1].Metric(labels={"model": "prefill"}, buckets=buckets)
+        model = {"model": Model.PREFILL.value}
+        self.bytes = self._families[0].Metric(labels=model)
+        self.seconds = self._families[1].Metric(labels=model, buckets=buckets)
 
     def done(self, outcome: PrefillOutcome, seconds: float) -> None:
         self.bytes.increment(outcome.bytes_posted)
@@ -174,9 +234,9 @@ class _Responder:
 
     def __init__(
         self,
-        sender: object,
+        sender: Any,
         stream: bool,
-        loop: EngineLoop,
+        loop: DecodeLoop,
         metrics: _Metrics,
         stop: tuple[str, ...],
         tracer: Tracer | None,
@@ -199,11 +259,22 @@ class _Responder:
                 self.loop.cancel(out.request_id)
             return
         if out.error is not None:
-            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=FINAL)
+            self.sender.send(_error(out.error), flags=FINAL)
             return
         if out.finish_reason is FinishReason.ABORT:  # aborted here: close the stream
             self.sender.send(flags=FINAL)
             return
+        self._observe(out)
+        if self.stream:
+            if out.text or out.finished:
+                response = _window_response(out.text_window, out.text_skip, self.stop)
+                self.sender.send(response, flags=FINAL if out.finished else 0)
+        else:
+            self.all_ids.extend(out.new_token_ids)
+            if out.finished:
+                self.sender.send(_window_response(tuple(self.all_ids), 0, self.stop), flags=FINAL)
+
+    def _observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
         if self.tracer is not None:
             if self.first and out.new_token_ids:
@@ -216,29 +287,21 @@ class _Responder:
             self.first, self.last = False, now
         if out.finished:
             self.metrics.prompt_tokens.increment(out.prompt_tokens)
-        if self.stream:
-            if out.text or out.finished:
-                response = _window_response(out.text_window, out.text_skip, self.stop)
-                self.sender.send(response, flags=FINAL if out.finished else 0)
-        else:
-            self.all_ids.extend(out.new_token_ids)
-            if out.finished:
-                self.sender.send(_window_response(tuple(self.all_ids), 0, self.stop), flags=FINAL)
 
 
-def _window_response(window: tuple[int, ...], skip: int, stop: tuple[str, ...]) -> object:
+def _window_response(window: tuple[int, ...], skip: int, stop: tuple[str, ...]) -> Response:
     tensors = [
-        pb_utils.Tensor("output_ids", np.array(window, dtype=np.int32)),
-        pb_utils.Tensor("text_skip", np.array([skip], dtype=np.int32)),
+        pb_utils.Tensor(Tensor.OUTPUT_IDS, np.array(window, dtype=np.int32)),
+        pb_utils.Tensor(Tensor.TEXT_SKIP, np.array([skip], dtype=np.int32)),
     ]
     if stop:
-        tensors.append(pb_utils.Tensor("stop_words_out", np.array([s.encode() for s in stop], dtype=np.object_)))
+        tensors.append(_strings(Tensor.STOP_WORDS_OUT, *stop))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _strings(name: str, *values: str) -> object:
+def _strings(name: str, *values: str) -> Any:
     return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
 
 
-def _text_response(text: str) -> object:
-    return pb_utils.InferenceResponse(output_tensors=[_strings("text_output", text)])
+def _error(message: str) -> Response:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))

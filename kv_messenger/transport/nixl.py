@@ -11,23 +11,22 @@ import logging
 import numpy as np
 import torch
 
+from kv_messenger.config import NixlBackend
 from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
 
-BACKENDS = ("UCX", "LIBFABRIC")
 log = logging.getLogger(__name__)
 
 
 class NixlTransport:
-    def __init__(self, name: str, backend: str = "UCX", progress_thread: bool = False) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown NIXL backend {backend!r}; choose one of {BACKENDS}")
+    def __init__(self, name: str, backend: NixlBackend = NixlBackend.UCX, progress_thread: bool = False) -> None:
+        backend = NixlBackend(backend)  # a plain string names a backend too; unknown ones are a ValueError
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise RuntimeError("NIXL is not installed: pip install nixl-cu12") from exc
         self.name = name
         self.faults = FaultInjector()
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend.value]))
         self._mem_type = "DRAM"
         self._registered: list[object] = []
         self._done = object()  # handle of a transfer the fault injector dropped
@@ -66,12 +65,12 @@ class NixlTransport:
     def state(self, handle: object) -> TransferState:
         if handle is self._done:
             return TransferState.DONE
-        s = self._agent.check_xfer_state(handle)
+        s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
         return {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}.get(s, TransferState.FAILED)
 
     def release(self, handle: object) -> None:
         if handle is not self._done:
-            self._agent.release_xfer_handle(handle)
+            self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         try:

@@ -19,14 +19,17 @@ def build_model(cfg: ModelConfig, tp: TPGroup) -> CausalLM:
 def cache_spec(
     cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout, dtype: torch.dtype
 ) -> KVCacheSpec:
-    common = {
-        "num_layers": cfg.num_layers,
-        "num_pages": num_pages,
-        "page_size": page_size,
-        "layout": layout,
-        "dtype": dtype,
-    }
     if cfg.is_mla:
         assert cfg.kv_lora_rank is not None
-        return KVCacheSpec(latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, **common)
-    return KVCacheSpec(kv_heads=local_kv_heads(cfg, tp_size), head_dim=cfg.head_dim, **common)
+        return KVCacheSpec(
+            cfg.num_layers, num_pages, page_size, layout, dtype, latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        )
+    return KVCacheSpec(
+        cfg.num_layers,
+        num_pages,
+        page_size,
+        layout,
+        dtype,
+        kv_heads=local_kv_heads(cfg, tp_size),
+        head_dim=cfg.head_dim,
+    )

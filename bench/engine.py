@@ -1,0 +1,343 @@
+"""``disagg bench engine``: engine decode / prefill speed beside HF transformers, and the memory floor.
+
+Everything is measured in one run, same weights, same dtype, same torch threads. For every thread
+count (``--threads``, default 1 and 2) and batch size (``--batch``, default 1 2 4 8 16), engine
+and HF alternate ``--repeats`` times and each figure is the median:
+
+- prefill tokens/s: one step that prefills ``batch`` prompts of ``prompt_len`` tokens (engine)
+  vs one HF forward over the same ``[batch, prompt_len]`` ids;
+- decode step and tokens/s: ``decode_tokens`` greedy steps after that prefill (engine) vs HF
+  ``generate`` with its KV cache (``decode_tokens + 1`` new tokens minus 1 new token);
+- the floor of a decode step at that batch: the bytes one step must read (every weight once,
+  tied embeddings once, plus the KV of every sequence's context, in the dtype used) over the
+  *read* bandwidth measured in the same run with the same threads (``sum`` over a 512 MiB
+  buffer: decode reads weights, it does not copy them);
+- the aggregate decode speed-up of each batch over batch 1.
+
+The CPU model and its flags and the engine's kernel path (``LLMEngine.kernel_path``) are
+recorded with every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from orchestrator.engine_cli import engine_dir_of, engine_source_arguments
+from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
+from torch_engine.cpu import cpu_info
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    engine_source_arguments(p, DType.FLOAT32)
+    p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
+                   help="dtype the engine runs in (auto: the fastest this CPU computes natively)")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--repeats", type=int, default=3, help="alternating engine / HF runs per point (median)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="decode-only steps through CUDA graphs (auto: on for CUDA)")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    engine_dir: Path
+    device: str
+    run_dtype: str
+    threads: list[int]
+    prompt_len: int
+    decode_tokens: int
+    batch: list[int]
+    repeats: int
+    hf: bool
+    json: Path | None
+    decode_graphs: bool | None = None
+
+
+@dataclass(slots=True)
+class Point:
+    """One (threads, batch) point."""
+
+    engine_prefill_tok_s: float
+    engine_decode_tok_s: float
+    engine_decode_step_ms: float
+    floor_ms: float
+    step_over_floor: float
+    aggregate_over_batch1: float = 0.0
+    hf_prefill_tok_s: float | None = None
+    hf_decode_tok_s: float | None = None
+    decode_over_hf: float | None = None
+
+
+@dataclass(slots=True)
+class ThreadReport:
+    threads: int
+    read_GBps: float
+    copy_GBps: float
+    points: dict[int, Point] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Report:
+    model: str
+    dtype: str
+    kernel_path: str
+    cpu: dict[str, object]
+    prompt_len: int
+    decode_tokens: int
+    repeats: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    by_threads: dict[int, ThreadReport] = field(default_factory=dict)
+    goals: dict[str, bool] = field(default_factory=dict)
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    if device == "cpu":
+        return fn
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second that ``copy_`` moves between two large buffers (each byte read once, written once)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return nbytes / _median_time(_synced(lambda: dst.copy_(src), device), repeats)
+
+
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second read by a ``sum`` over a large fp32 buffer (the floor for reading weights)."""
+    if device != "cpu":
+        nbytes = 4 << 30  # GPUs: large enough to leave the caches
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    buf.sum()
+    return nbytes / _median_time(_synced(buf.sum, device), repeats)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one batch: the first step prefills every prompt."""
+    params = SamplingParams(max_tokens=decode_tokens + 1, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    engine.step()
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    t2 = time.perf_counter()
+    assert steps == decode_tokens, f"expected {decode_tokens} decode steps, ran {steps}"
+    for rid in ids:
+        engine.retire(rid)
+    return t1 - t0, t2 - t1
+
+
+def hf_run(model: torch.nn.Module, prompts: list[list[int]], decode_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds): one forward over the prompts, and ``generate`` with
+    ``decode_tokens + 1`` new tokens minus ``generate`` with 1 (so HF's own prefill cancels out)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    generate: Callable[..., object] = model.generate  # type: ignore[assignment]
+
+    def gen(n: int) -> float:
+        t = time.perf_counter()
+        generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(ids)
+        prefill = time.perf_counter() - t0
+        decode = gen(decode_tokens + 1) - gen(1)
+    return prefill, max(decode, 1e-9)
+
+
+def load_hf(engine_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    source = Path(EngineManifest.load(engine_dir).source)
+    model: torch.nn.Module
+    if source.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    return model.to(torch.device(device)).eval()
+
+
+def run(a: argparse.Namespace) -> int:
+    opts = Options(
+        engine_dir_of(a), a.device, a.run_dtype, a.threads, a.prompt_len, a.decode_tokens, a.batch, a.repeats,
+        not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs],
+    )  # fmt: skip
+    report = measure(opts)
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(asdict(report), indent=2), encoding="utf-8")
+    return 0
+
+
+def _engine(opts: Options) -> LLMEngine:
+    max_batch = max(opts.batch)
+    page = EngineManifest.load(opts.engine_dir).page_size
+    cfg = EngineConfig(
+        engine_dir=opts.engine_dir,
+        device=opts.device,
+        decode_graphs=opts.decode_graphs,
+        dtype="auto" if opts.run_dtype == "auto" else DType(opts.run_dtype),
+        num_pages=max_batch * (-(-(opts.prompt_len + opts.decode_tokens + 2) // page)) + 8,
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max_batch * opts.prompt_len,
+            max_prefill_chunk=opts.prompt_len,
+        ),
+    )
+    return LLMEngine(cfg, load_tokenizer=False)
+
+
+def measure(opts: Options) -> Report:
+    engine = _engine(opts)
+    hf = load_hf(opts.engine_dir, engine.dtype, opts.device) if opts.hf else None
+    mc = engine.manifest.model
+    wbytes = weight_bytes(engine.model)
+    kv_token_bytes = engine.kv.spec.page_bytes // engine.page_size * mc.num_layers
+    report = Report(
+        engine.manifest.source, str(engine.dtype).removeprefix("torch."), engine.kernel_path, _device_info(opts.device),
+        opts.prompt_len, opts.decode_tokens, opts.repeats, wbytes, kv_token_bytes,
+    )  # fmt: skip
+    print(f"[bench] {report.cpu['model']}; dtype {report.dtype}; kernel path {report.kernel_path}", flush=True)
+    context = opts.prompt_len + opts.decode_tokens // 2  # mean context over the decode steps
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        read, copy = read_bandwidth(device=opts.device), copy_bandwidth(device=opts.device)
+        tr = report.by_threads[threads] = ThreadReport(threads, read / 1e9, copy / 1e9)
+        engine_run(engine, _prompts(1, 16, mc.vocab_size, 99), 2)  # warm-up
+        if hf is not None:
+            hf_run(hf, _prompts(1, 16, mc.vocab_size, 99), 2)
+        for batch in opts.batch:
+            floor_ms = 1e3 * (wbytes + kv_token_bytes * context * batch) / (tr.read_GBps * 1e9)
+            tr.points[batch] = _point(engine, hf, opts, batch, floor_ms)
+            if 1 in tr.points:
+                b1 = tr.points[1].engine_decode_tok_s
+                tr.points[batch].aggregate_over_batch1 = tr.points[batch].engine_decode_tok_s / b1
+            print(_line(threads, batch, tr.points[batch]), flush=True)
+    report.goals = goals(report)
+    print("goals: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report.goals.items()))
+    return report
+
+
+def _device_info(device: str) -> dict[str, object]:
+    info = cpu_info().as_dict()
+    if device != "cpu":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _point(engine: LLMEngine, hf: torch.nn.Module | None, opts: Options, batch: int, floor_ms: float) -> Point:
+    prompts = _prompts(batch, opts.prompt_len, engine.manifest.model.vocab_size, batch)
+    e_runs, h_runs = [], []
+    for _ in range(opts.repeats):
+        e_runs.append(engine_run(engine, prompts, opts.decode_tokens))
+        if hf is not None:
+            h_runs.append(hf_run(hf, prompts, opts.decode_tokens))
+    e_pre, e_dec = (statistics.median(r[i] for r in e_runs) for i in (0, 1))
+    step_ms = 1e3 * e_dec / opts.decode_tokens
+    point = Point(
+        engine_prefill_tok_s=batch * opts.prompt_len / e_pre,
+        engine_decode_tok_s=batch * opts.decode_tokens / e_dec,
+        engine_decode_step_ms=step_ms,
+        floor_ms=floor_ms,
+        step_over_floor=step_ms / floor_ms,
+    )
+    if h_runs:
+        h_pre, h_dec = (statistics.median(r[i] for r in h_runs) for i in (0, 1))
+        point.hf_prefill_tok_s = batch * opts.prompt_len / h_pre
+        point.hf_decode_tok_s = batch * opts.decode_tokens / h_dec
+        point.decode_over_hf = point.engine_decode_tok_s / point.hf_decode_tok_s
+    return point
+
+
+def _line(threads: int, batch: int, p: Point) -> str:
+    hf = f" (HF {p.hf_decode_tok_s:6.1f}, x{p.decode_over_hf:.2f})" if p.decode_over_hf is not None else ""
+    return (
+        f"threads {threads} batch {batch:>3}: prefill {p.engine_prefill_tok_s:7.0f} tok/s  decode "
+        f"{p.engine_decode_tok_s:7.1f} tok/s{hf}  step {p.engine_decode_step_ms:6.1f} ms = "
+        f"x{p.step_over_floor:.2f} floor ({p.floor_ms:.1f} ms)  aggregate x{p.aggregate_over_batch1:.1f}"
+    )
+
+
+def goals(report: Report) -> dict[str, bool]:
+    """The engine-speed issue's goals that this run can judge."""
+    out: dict[str, bool] = {}
+    one = report.by_threads.get(1)
+    if one is not None and 1 in one.points and 8 in one.points:
+        out["batch8_over_batch1_step_at_most_1.3_one_thread"] = (
+            one.points[8].engine_decode_step_ms / one.points[1].engine_decode_step_ms <= 1.3
+        )
+    for tr in report.by_threads.values():
+        pts = tr.points
+        if 1 in pts:
+            out[f"batch1_within_1.2x_floor_{tr.threads}t"] = pts[1].step_over_floor <= 1.2
+        if 16 in pts:
+            out[f"batch16_aggregate_at_least_10x_{tr.threads}t"] = pts[16].aggregate_over_batch1 >= 10
+        for b in (1, 16):
+            if b in pts and pts[b].decode_over_hf is not None:
+                out[f"batch{b}_decode_at_least_1.5x_hf_{tr.threads}t"] = (pts[b].decode_over_hf or 0) >= 1.5
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.engine``: the same command without the rest of ``disagg`` (GPU machines
+    that have torch but not the serving stack)."""
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Calibration on this machine (the engine in-process, one thread): the decode step, the prefill time
+of candidate prompt lengths (the prefill-heavy length is the one whose prefill takes about
+``--prefill-ratio`` decode steps), the copy rate and the KV bytes per token."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.engine import copy_bandwidth
+from torch_engine.config import EngineConfig, SchedulerConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Calibration:
+    decode_step_s: float
+    prefill_s: dict[int, float]
+    prefill_len: int
+    memcpy_bytes_per_s: float
+    kv_bytes_per_token: int
+
+
+def calibrate(engine_dir: Path, lengths: list[int], target_ratio: float, chunk: int) -> Calibration:
+    torch.set_num_threads(1)
+    scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
+    engine = LLMEngine(EngineConfig(engine_dir=engine_dir, num_threads=1, num_pages=512, scheduler=scheduler))
+    vocab = engine.manifest.model.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [(i * 7919) % (vocab - 200) + 100 for i in range(n)]
+
+    engine.generate([prompt(64)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    steps = []
+    rid = engine.add_request(prompt(64), SamplingParams(max_tokens=24, ignore_eos=True))
+    engine.step()
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    engine.retire(rid)
+    step = statistics.median(steps)
+    prefill: dict[int, float] = {}
+    for n in lengths:
+        times = []
+        for _ in range(2):
+            rid = engine.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+            t = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            times.append(time.perf_counter() - t)
+            engine.retire(rid)
+        prefill[n] = min(times)
+    best = min(lengths, key=lambda n: abs(prefill[n] / step - target_ratio))
+    kv = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
+    return Calibration(step, prefill, best, copy_bandwidth(64 << 20, 3), kv)

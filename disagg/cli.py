@@ -1,0 +1,76 @@
+"""``disagg``: build engines, generate, chat, launch deployments, benchmark.
+
+A short dispatcher: each command's module owns its arguments (``add_arguments``) and its entry
+point (``run``). The command lives here, above both ``orchestrator`` (deploy time) and ``bench``,
+so that neither of those imports the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench import engine as bench_engine
+from bench import transfer as bench_transfer
+from bench.serve import cli as bench_serve
+from builders import BuildError
+from orchestrator import engine_cli, launch_cli
+from torch_engine.sampling import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS = [
+    Command("build", "build an engine directory from a checkpoint",
+            engine_cli.add_build_arguments, engine_cli.run_build),
+    Command("generate", "stream a completion to the terminal",
+            engine_cli.add_generate_arguments, engine_cli.run_generate),
+    Command("chat", "interactive chat on the engine", engine_cli.add_chat_arguments, engine_cli.run_chat),
+    Command("launch", "start a deployment from a cluster config (mpirun), serve until Ctrl-C",
+            launch_cli.add_arguments, launch_cli.run),
+]  # fmt: skip
+BENCHES = [
+    Command("engine", "engine decode / prefill speed vs HF transformers and the memory floor",
+            bench_engine.add_arguments, bench_engine.run),
+    Command("transfer", "KV messenger vs raw NIXL vs memcpy; exposed time with layer streaming on/off",
+            bench_transfer.add_arguments, bench_transfer.run),
+    Command("serve", "colocated vs disaggregated deployments on equal hardware: TTFT, ITL, goodput",
+            bench_serve.add_arguments, bench_serve.run),
+]  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disagg", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for c in COMMANDS:
+        cp = sub.add_parser(c.name, help=c.help)
+        c.add_arguments(cp)
+        cp.set_defaults(fn=c.run)
+    bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for c in BENCHES:
+        bp = bsub.add_parser(c.name, help=c.help)
+        c.add_arguments(bp)
+        bp.set_defaults(fn=c.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(a.fn(a))
+    except (BuildError, InvalidRequestError, FileNotFoundError) as exc:
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

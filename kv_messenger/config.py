@@ -1,0 +1,21 @@
+"""The messenger's settings, declared once: which NIXL backend moves bytes, how often prefill ranks post."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class NixlBackend(enum.StrEnum):
+    UCX = "UCX"  # RDMA, shared memory or TCP, whatever UCX finds
+    LIBFABRIC = "LIBFABRIC"  # EFA
+
+
+class TransportSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: NixlBackend = Field(default=NixlBackend.UCX, description="NIXL backend")
+    layers_per_post: int = Field(
+        default=1, ge=1, description="prefill ranks post KV once this many layers finished (1: every layer)"
+    )

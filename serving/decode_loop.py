@@ -1,0 +1,180 @@
+"""``DecodeLoop``: a decode (or colocated) node's engine on its own thread (a ``ServingLoop``).
+
+``submit`` and ``cancel`` are thread-safe and return at once; the loop thread admits new
+requests, runs ``step()``, and hands each ``RequestOutput`` (text delta included) to the
+request's callback. A request the engine refuses gets its error through the same callback.
+
+A ``KVSource`` (a decode node of a disaggregated deployment) takes over admission: it reserves
+pages and has the KV prefilled elsewhere; the loop polls it every pass (``tick``) and delivers
+the failures it reports. ``on_exit`` runs on the loop thread when it ends (TP groups release
+their followers there: collectives belong to this thread).
+
+Per request: inbox ──admit──> engine (or KVSource) ──steps──> callback(delta)* ──finished──> callback(final)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from serving.loop import ServingLoop
+from torch_engine.engine import LLMEngine
+from torch_engine.kv_cache import PageStats
+from torch_engine.request import FinishReason, RequestOutput
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+from torch_engine.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[RequestOutput], None]
+StepHook = Callable[[PageStats, int, int], None]  # (pages, waiting requests, running requests)
+
+
+class KVSource(Protocol):
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
+        """Take the request (True), or leave it to the engine (False); raises InvalidRequestError."""
+        ...
+
+    def tick(self) -> list[tuple[str, str]]:
+        """Progress; returns the requests that failed since the last tick, with their errors."""
+        ...
+
+    def busy(self) -> bool: ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request it holds (True), or say it holds none by that id (False)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    chat: bool
+    callback: Callback
+
+
+class DecodeLoop(ServingLoop[_Submit | str]):
+    name = "engine-loop"
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.005,
+        on_step: StepHook | None = None,
+        kv: KVSource | None = None,
+        on_exit: Callable[[], None] | None = None,
+        kv_poll_s: float = 0.0005,
+    ) -> None:
+        super().__init__(on_exit)
+        self.engine = engine
+        self.on_step = on_step
+        self.kv = kv
+        self.idle_wait_s = idle_wait_s
+        self.kv_poll_s = kv_poll_s
+        self._callbacks: dict[str, Callback] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._start()
+
+    def submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, callback: Callback, chat: bool = False
+    ) -> None:
+        self._put(_Submit(request_id, prompt, params, chat, callback))
+
+    def cancel(self, request_id: str) -> None:
+        self._put(request_id)
+
+    def live(self) -> int:
+        """Requests the loop still delivers to (tests of bounded state)."""
+        return len(self._callbacks)
+
+    # -- ServingLoop ---------------------------------------------------------------------
+    def _admit(self, item: _Submit | str) -> None:
+        if isinstance(item, str):
+            held = self.kv is not None and self.kv.cancel(item)
+            if held or self.engine.abort(item):
+                self._finish(item, RequestOutput(request_id=item, finished=True, finish_reason=FinishReason.ABORT))
+                self._report()
+            return
+        try:
+            split = (
+                self.kv is not None
+                and isinstance(item.prompt, list)
+                and self.kv.admit(item.request_id, item.prompt, item.params)
+            )
+            if not split:
+                self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
+        except InvalidRequestError as exc:
+            error = RequestOutput(
+                request_id=item.request_id, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)
+            )
+            self._call(item.callback, error)
+            return
+        self._callbacks[item.request_id] = item.callback
+        if self.engine.tokenizer is not None:
+            self._detok[item.request_id] = IncrementalDetokenizer(self.engine.tokenizer)
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def _wait_s(self) -> float:
+        return self.kv_poll_s if self.kv is not None and self.kv.busy() else self.idle_wait_s
+
+    def _fail_all(self, error: str) -> None:
+        for rid in list(self._callbacks):
+            self._finish(
+                rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ERROR, error=error)
+            )
+
+    def _work(self) -> None:
+        if self.kv is not None:
+            for rid, error in self.kv.tick():
+                self._finish(
+                    rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ERROR, error=error)
+                )
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                delta = self._with_text(out)
+                if out.finished:
+                    self._finish(out.request_id, delta)
+                else:
+                    self._call(self._callbacks[out.request_id], delta)
+            self._report()
+
+    def _report(self) -> None:
+        if self.on_step is not None:
+            self.on_step(self.engine.page_stats(), *self.engine.queue_depths())
+
+    def _with_text(self, out: RequestOutput) -> RequestOutput:
+        """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the
+        token window it was decoded from, for servers that detokenise in a separate step."""
+        detok = self._detok.get(out.request_id)
+        if detok is None:
+            return out
+        window, skip = detok.window()
+        before = len(detok.text)
+        detok.push(out.new_token_ids)
+        req = self.engine.request(out.request_id) if out.finished and self.engine.has_request(out.request_id) else None
+        full = req.text if req is not None and req.params.stop else detok.text
+        return replace(out, text=full[before:], text_window=(*window, *out.new_token_ids), text_skip=skip)
+
+    def _finish(self, request_id: str, out: RequestOutput) -> None:
+        callback = self._callbacks.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self.engine.retire(request_id)
+        if callback is not None:
+            self._call(callback, out)
+
+    def _call(self, callback: Callback, out: RequestOutput) -> None:
+        """A failing callback (a client that went away mid-send) must not stop the loop for everyone."""
+        try:
+            callback(out)
+        except Exception:
+            log.exception("delivering output of request %s failed; aborting it", out.request_id)
+            if not out.finished:
+                self._callbacks.pop(out.request_id, None)
+                self._detok.pop(out.request_id, None)
+                self.engine.retire(out.request_id)

@@ -1,0 +1,152 @@
+"""A decode leader's request path (DESIGN section 5): reserve, route, ask for a prefill, wait, decode.
+
+``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
+
+    admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
+    SENT ──the call failed (group down / refused)──> another group (same pages, new epoch) or FAILED
+    SENT ──every rank of the decode group counted all writes──> READY (joins the batch)
+    SENT ──transfer timed out / prefill stopped short──> FAILED (pages freed once no write can land)
+
+The gRPC replies arrive on client threads and are queued (``prefill_client``); everything else
+runs on the engine loop thread. Each request's server-side timestamps go to an optional trace (``Tracer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import zlib
+from dataclasses import dataclass, field
+
+from kv_messenger.protocol import PrefillRequest
+from serving.kv_links import DecodeLink
+from serving.prefill_client import CallerFactory, PrefillCaller, PrefillGroup, Reply
+from serving.router import NoPrefillGroup, Router
+from serving.tp_group import GroupDecodeSide
+from serving.trace import Tracer
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    group: int
+    epoch: int
+    tried: set[int] = field(default_factory=set)
+
+
+class KVFetcher:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        side: GroupDecodeSide,
+        groups: list[PrefillGroup],
+        kv_timeout_s: float,
+        call_timeout_s: float,
+        tracer: Tracer | None = None,
+        caller: CallerFactory | None = None,
+    ) -> None:
+        if not groups:
+            raise ValueError("a disaggregated decode node needs at least one prefill group")
+        self.engine = engine
+        self.link = DecodeLink(engine, side, timeout_s=kv_timeout_s)
+        self.groups = groups
+        self.router = Router(len(groups))
+        self.tracer = tracer
+        self._replies: queue.Queue[Reply] = queue.Queue()
+        make = caller or PrefillCaller
+        self.callers = [make(g, call_timeout_s, self._replies) for g in groups]
+        self._pending: dict[str, _Pending] = {}
+
+    # -- KVSource ------------------------------------------------------------------------
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
+        if len(prompt_ids) < 2:
+            return False  # nothing to prefill: the decoder runs the single token itself
+        try:
+            g = self.router.pick()
+        except NoPrefillGroup as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if self.tracer is not None:
+            self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
+        try:
+            agents = self.groups[g].agents
+            req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=agents)
+        except ValueError as exc:
+            raise InvalidRequestError(f"request {request_id}: {exc}") from None
+        self._pending[request_id] = _Pending(g, req.epoch, {g})
+        self._send(g, req)
+        return True
+
+    def tick(self) -> list[tuple[str, str]]:
+        failures = self._replies_in()
+        polled = self.link.poll()
+        for rid in polled.ready:
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                self.router.finished(p.group, rid)
+            if self.tracer is not None:
+                self.tracer.mark(rid, "kv_ready")
+        for rid, error in polled.failed:
+            p = self._pending.pop(rid, None)
+            if p is not None:
+                self.router.finished(p.group, rid)
+            failures.append((rid, error))
+        return failures
+
+    def busy(self) -> bool:
+        return bool(self._pending) or self.link.waiting() or not self._replies.empty()
+
+    def cancel(self, request_id: str) -> bool:
+        p = self._pending.pop(request_id, None)
+        if p is None:
+            return False
+        self.router.finished(p.group, request_id)
+        self.link.abort(request_id)
+        return True
+
+    def close(self) -> None:
+        for c in self.callers:
+            c.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _send(self, group: int, req: PrefillRequest) -> None:
+        self.router.sent(group, req.request_id, len(req.prompt_ids) - 1)
+        if self.tracer is not None:
+            self.tracer.mark(req.request_id, "sent", group=group)
+        self.callers[group].call(req)
+
+    def _replies_in(self) -> list[tuple[str, str]]:
+        failures: list[tuple[str, str]] = []
+        while True:
+            try:
+                r = self._replies.get_nowait()
+            except queue.Empty:
+                return failures
+            p = self._pending.get(r.request_id)
+            if p is None or p.epoch != r.epoch:
+                continue  # answered after the request moved on
+            if r.error is None:
+                assert r.load_tokens is not None
+                self.router.reported(r.group, r.load_tokens)
+                continue
+            log.warning("prefill group %d refused %s: %s", r.group, r.request_id, r.error)
+            self.router.failed(r.group, r.request_id)
+            try:
+                g = self.router.pick(exclude=p.tried)
+            except NoPrefillGroup:
+                error = f"request {r.request_id}: no prefill group could take it (last error: {r.error})"
+                self._pending.pop(r.request_id)
+                self.link.fail_undelivered(r.request_id, error)
+                failures.append((r.request_id, error))
+                continue
+            req = self.link.retarget(r.request_id, self.groups[g].agents, _seed(r.request_id))
+            p.group, p.epoch = g, req.epoch
+            p.tried.add(g)
+            self._send(g, req)
+
+
+def _seed(request_id: str) -> int:
+    """Spreads source replicas (MLA) over requests; both sides compute the same plan from it."""
+    return zlib.crc32(request_id.encode()) & 0x7FFFFFFF

@@ -1,0 +1,265 @@
+"""The KV connectors: glue between an ``LLMEngine`` and a messenger side, through the engine's
+port (``torch_engine/connector.py``: admit, before step, around the step, poll). The engine never
+imports the messenger, and these links use only the engine's public methods.
+
+``PrefillLink`` (prefill node, TP leader or TP 1): turns ``PrefillRequest``s into prefill-only
+engine requests, tells the messenger which chunks each step runs (``before_step``, before the
+forward pass), pins the source pages while they are being sent, hands over the last hidden
+state + logits, and releases the pages when every write completed.
+
+``DecodeLink`` (decode node): reserves and pins destination pages, tells the messenger what to
+expect, builds the ``PrefillRequest`` to send, and each step moves requests whose KV landed
+into the batch (``kv_ready``) or fails them (``kv_failed``). Pages of a failed request return
+to the pool only when the messenger says no write can still land.
+
+Each link keeps one record per live request and drops it when the request leaves the link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_messenger.decode_side import DecodeSide
+from kv_messenger.layout import AttentionKind, KVLayoutSpec
+from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
+from kv_messenger.protocol import PrefillRequest
+from torch_engine.config import DType
+from torch_engine.connector import ConnectorPoll
+from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason, RequestKind, RequestOutput
+from torch_engine.sampling import SamplingParams
+from torch_engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from serving.tp_group import GroupDecodeSide, GroupPrefillSide
+
+
+def engine_layout(engine: LLMEngine) -> KVLayoutSpec:
+    """The messenger's view of an engine's KV pools."""
+    spec, mc = engine.kv.spec, engine.manifest.model
+    return KVLayoutSpec(
+        kind=AttentionKind.MLA if spec.is_mla else AttentionKind.GQA,
+        num_layers=spec.num_layers,
+        page_size=spec.page_size,
+        layout=spec.layout,
+        dtype=DType.of(spec.dtype),
+        tp_size=engine.tp.size,
+        tp_rank=engine.tp.rank,
+        latent_dim=spec.latent_dim if spec.is_mla else 0,
+        kv_heads=0 if spec.is_mla else mc.num_kv_heads,
+        head_dim=0 if spec.is_mla else spec.head_dim,
+    )
+
+
+def metadata_bytes(engine: LLMEngine) -> int:
+    """Size of the metadata a prefill hands over: last hidden state + last logits, fp32."""
+    mc = engine.manifest.model
+    return (mc.hidden_size + mc.vocab_size) * 4
+
+
+@dataclass(slots=True)
+class _Source:
+    """A prefill request whose source pages this link holds."""
+
+    pinned: list[int] = field(default_factory=list)
+    wants_meta: bool = False
+
+
+class PrefillLink:
+    """Prefill-side connector (``KVConnector[list[PrefillOutcome]]``)."""
+
+    def __init__(self, engine: LLMEngine, side: PrefillSide | GroupPrefillSide) -> None:
+        self.engine = engine
+        self.side = side
+        self._jobs: dict[str, _Source] = {}
+        self._reaped: list[PrefillOutcome] = []
+        engine.attach(self)
+
+    def submit(self, req: PrefillRequest) -> None:
+        self.engine.add_request(
+            req.prompt_ids,
+            request_id=req.request_id,
+            kind=RequestKind.PREFILL_ONLY,
+            want_last_hidden=req.meta_slot is not None,
+        )
+        self.side.submit(req)
+        self._jobs[req.request_id] = _Source(wants_meta=req.meta_slot is not None)
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        forward = self.engine.next_forward()
+        for c in sched.chunks:
+            job = self._jobs.get(c.request.request_id)
+            if job is None:
+                continue
+            fresh = c.request.pages[len(job.pinned) :]
+            self.engine.pin_pages(fresh)  # the scheduler never preempts a request with pinned pages
+            job.pinned += fresh
+            self.side.schedule(c.request.request_id, forward, c.start + c.length, c.completes, c.request.pages)
+
+    def after_forward(self, sched: SchedulerOutput) -> None:
+        pass
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step plus the messenger bookkeeping; returns the engine's outputs."""
+        outputs = self.engine.step()
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if out.finish_reason is not FinishReason.PREFILLED or job is None:
+                continue
+            self.side.prefill_done(out.request_id)
+            if job.wants_meta:
+                result = self.engine.prefill_result(out.request_id)
+                assert result.last_hidden is not None and result.last_logits is not None
+                payload = torch.cat((result.last_hidden.float(), result.last_logits.float()))
+                self.side.set_metadata(out.request_id, payload)
+        self._reaped += self._release()
+        return outputs
+
+    def poll(self) -> list[PrefillOutcome]:
+        """Release the source pages of requests whose transfers are over; returns them (including
+        those that ``step`` already released since the last call)."""
+        done, self._reaped = self._reaped + self._release(), []
+        return done
+
+    def _release(self) -> list[PrefillOutcome]:
+        done = []
+        for outcome in self.side.completed():
+            rid = outcome.request_id
+            job = self._jobs.pop(rid, None)
+            if job is not None:
+                self.engine.unpin_pages(job.pinned)
+            if outcome.state is PrefillJobState.DONE:
+                self.engine.release(rid)
+            self.engine.retire(rid)
+            done.append(outcome)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        self.side.abort(request_id)  # pages come back through poll() once no write is in flight
+
+    def live(self) -> int:
+        """Requests this link still holds (tests of bounded state)."""
+        return len(self._jobs)
+
+
+@dataclass(slots=True)
+class _Destination:
+    """A decode request whose destination pages this link holds until no write can land."""
+
+    pages: list[int]
+    prompt_ids: list[int]
+    epoch: int = -1
+    slot: int | None = None
+
+
+class DecodeLink:
+    """Decode-side connector (``KVConnector[ConnectorPoll]``)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        side: DecodeSide | GroupDecodeSide,
+        prefill_agents: list[str] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.side = side
+        self.prefill_agents = prefill_agents or []  # default senders; ``start`` may name others per request
+        self.decode_agents = side.agents  # the decode group's ranks, by TP rank
+        self.timeout_s = timeout_s
+        self._slots = list(range(side.meta_slots))
+        self._jobs: dict[str, _Destination] = {}
+        self._meta: dict[str, torch.Tensor] = {}  # landed metadata, until ``take_metadata``
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        seed: int = 0,
+        meta: bool = False,
+        prefill_agents: list[str] | None = None,
+    ) -> PrefillRequest:
+        """Reserve pages and start counting; returns the request to send to the prefill node."""
+        rid, pages = self.engine.reserve_for_kv(prompt_ids, params, request_id)
+        self.engine.pin_pages(pages)  # held until no write can land, whatever the engine does
+        slot = self._slots.pop() if meta and self._slots else None
+        self._jobs[rid] = _Destination(pages, list(prompt_ids), slot=slot)
+        try:
+            return self._expect(rid, seed, prefill_agents or self.prefill_agents)
+        except ValueError:  # e.g. senders not connected: nothing was sent, undo the reservation
+            self._drop(rid)
+            self.engine.retire(rid)
+            raise
+
+    def retarget(self, request_id: str, prefill_agents: list[str], seed: int = 0) -> PrefillRequest:
+        """The prefill request never reached its group (the call failed): same pages, a new epoch,
+        other senders. Only for requests whose transfer cannot have started."""
+        self.side.forget(request_id)
+        return self._expect(request_id, seed, prefill_agents)
+
+    def _expect(self, rid: str, seed: int, prefill_agents: list[str]) -> PrefillRequest:
+        job = self._jobs[rid]
+        job.epoch += 1
+        self.side.expect(rid, job.epoch, prefill_agents, len(job.pages), seed, job.slot is not None, self.timeout_s)
+        return PrefillRequest(
+            request_id=rid,
+            epoch=job.epoch,
+            prompt_ids=job.prompt_ids,
+            dst_pages=job.pages,
+            decode_ranks=self.decode_agents,
+            seed=seed,
+            meta_slot=job.slot,
+        )
+
+    def waiting(self) -> bool:
+        """Some request still waits for its KV or for its pages to become reusable."""
+        return bool(self._jobs)
+
+    def live(self) -> int:
+        """Requests this link still holds (tests of bounded state)."""
+        return len(self._jobs) + len(self._meta)
+
+    def take_metadata(self, request_id: str) -> torch.Tensor | None:
+        """The prefill's last hidden state + logits (fp32, concatenated) of a ready request, once."""
+        return self._meta.pop(request_id, None)
+
+    def fail_undelivered(self, request_id: str, error: str) -> None:
+        """The prefill request could not be delivered anywhere: no write can come; free everything now."""
+        self.side.forget(request_id)
+        self._drop(request_id)
+        self.engine.kv_failed(request_id, error)
+
+    def poll(self) -> ConnectorPoll:
+        """Move landed requests into the batch and fail the others; returns what became ready,
+        failed and releasable."""
+        polled = self.side.poll()
+        for rid in polled.ready:
+            job = self._drop(rid, keep_slot=True)
+            if job is not None and job.slot is not None:
+                n = metadata_bytes(self.engine)
+                self._meta[rid] = self.side.meta_slot(job.slot)[:n].view(torch.float32).clone()
+                self._slots.append(job.slot)
+            self.engine.kv_ready(rid)
+        for rid, error in polled.failed:
+            self.engine.kv_failed(rid, error)  # pages stay pinned (not reusable) until releasable
+        for rid in polled.releasable:
+            self._drop(rid)
+        return ConnectorPoll(list(polled.ready), list(polled.failed), list(polled.releasable))
+
+    def abort(self, request_id: str) -> None:
+        self.side.abort(request_id)
+        self.engine.abort(request_id)
+
+    def _drop(self, rid: str, keep_slot: bool = False) -> _Destination | None:
+        """Forget a request: its pages may be reused (once the engine frees them), its slot too."""
+        job = self._jobs.pop(rid, None)
+        if job is None:
+            return None
+        self.engine.unpin_pages(job.pages)
+        if job.slot is not None and not keep_slot:
+            self._slots.append(job.slot)
+        return job

@@ -1,0 +1,107 @@
+"""The ``llm`` ensemble's inputs (TensorRT-LLM names) -> typed values, per step. No Triton import.
+
+Inputs: ``text_input`` (required), ``chat`` (ours: apply the chat template) for preprocessing;
+``max_tokens``, ``stream``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
+``stop_words``, ``end_id``, ``beam_width`` for decode. Every problem is an
+``InvalidRequestError`` naming the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from serving.names import Tensor
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+_KINDS = {
+    Tensor.MAX_TOKENS: "i",
+    Tensor.TEMPERATURE: "f",
+    Tensor.TOP_K: "i",
+    Tensor.TOP_P: "f",
+    Tensor.RANDOM_SEED: "u",
+    Tensor.END_ID: "i",
+    Tensor.BEAM_WIDTH: "i",
+    Tensor.STREAM: "b",
+    Tensor.CHAT: "b",
+    Tensor.IGNORE_EOS: "b",
+    Tensor.EXCLUDE_INPUT_IN_OUTPUT: "b",
+}
+
+
+def _scalar(get: Getter, name: Tensor) -> object | None:
+    arr = get(name)
+    if arr is None:
+        return None
+    kind = _KINDS[name]
+    if arr.size != 1:
+        raise InvalidRequestError(f"input {name} must hold exactly one value, got shape {list(arr.shape)}")
+    if kind == "b" and arr.dtype != np.bool_:
+        raise InvalidRequestError(f"input {name} must be BOOL, got {arr.dtype}")
+    if kind in "iu" and arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"input {name} must be an integer, got {arr.dtype}")
+    if kind == "f" and arr.dtype.kind != "f":
+        raise InvalidRequestError(f"input {name} must be floating point, got {arr.dtype}")
+    value = arr.reshape(-1)[0].item()
+    return bool(value) if kind == "b" else value
+
+
+def _text(raw: object, name: str) -> str:
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"input {name} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    if isinstance(raw, str):
+        return raw
+    raise InvalidRequestError(f"input {name} must be BYTES (a string)")
+
+
+def parse_text(get: Getter) -> tuple[str, bool]:
+    """``text_input`` and ``chat`` (the preprocessing step)."""
+    arr = get(Tensor.TEXT_INPUT)
+    if arr is None:
+        raise InvalidRequestError("input text_input is missing")
+    if arr.size != 1:
+        raise InvalidRequestError(f"input text_input must hold exactly one string, got shape {list(arr.shape)}")
+    prompt = _text(arr.reshape(-1)[0], Tensor.TEXT_INPUT)
+    if not prompt.strip():
+        raise InvalidRequestError("input text_input is empty")
+    if _scalar(get, Tensor.EXCLUDE_INPUT_IN_OUTPUT) is False:  # TensorRT-LLM's ensemble input; the output never echoes
+        raise InvalidRequestError("exclude_input_in_output=false is not supported: the output never repeats the prompt")
+    return prompt, bool(_scalar(get, Tensor.CHAT) or False)
+
+
+def parse_stop_words(get: Getter) -> tuple[str, ...]:
+    stops = get(Tensor.STOP_WORDS)
+    return tuple(s for s in (_text(x, Tensor.STOP_WORDS) for x in stops.reshape(-1)) if s) if stops is not None else ()
+
+
+def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, bool]:
+    """Sampling inputs and ``stream`` (the decode step)."""
+    max_tokens = _scalar(get, Tensor.MAX_TOKENS)
+    if max_tokens is not None and not 0 < int(max_tokens) <= max_tokens_limit:  # type: ignore[call-overload]
+        raise InvalidRequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    beam = _scalar(get, Tensor.BEAM_WIDTH)
+    if beam is not None and beam != 1:
+        raise InvalidRequestError(f"beam_width {beam} is not supported (only 1)")
+    end_id = _scalar(get, Tensor.END_ID)
+    temperature = _scalar(get, Tensor.TEMPERATURE)
+    top_k = _scalar(get, Tensor.TOP_K)
+    top_p = _scalar(get, Tensor.TOP_P)
+    seed = _scalar(get, Tensor.RANDOM_SEED)
+    params = SamplingParams(
+        max_tokens=int(max_tokens) if max_tokens is not None else 64,  # type: ignore[call-overload]
+        temperature=float(temperature) if temperature is not None else 0.0,  # type: ignore[arg-type]
+        top_k=int(top_k) if top_k is not None else 0,  # type: ignore[call-overload]
+        top_p=float(top_p) if top_p is not None else 1.0,  # type: ignore[arg-type]
+        seed=int(seed) if seed is not None else None,  # type: ignore[call-overload]
+        stop_token_ids=(int(end_id),) if end_id is not None else (),  # type: ignore[call-overload]
+        stop=parse_stop_words(get),
+        ignore_eos=bool(_scalar(get, Tensor.IGNORE_EOS) or False),
+    )
+    params.validate()
+    return params, bool(_scalar(get, Tensor.STREAM) or False)

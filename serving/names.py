@@ -1,0 +1,60 @@
+"""Names shared across process boundaries, defined once: Triton models, their tensors, backend roles.
+
+The ``llm`` ensemble keeps TensorRT-LLM's ensemble names (``text_input``, ``max_tokens``,
+``stream``, ... -> ``text_output``) so that existing clients and benchmark tools work unchanged;
+``model_repo/*/config.pbtxt`` declares the same names (a test checks that they agree).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Model(enum.StrEnum):
+    """Models of the repository (``model_repo/``)."""
+
+    LLM = "llm"  # the client-facing ensemble: preprocessing -> decode -> postprocessing
+    PREPROCESSING = "preprocessing"
+    DECODE = "decode"
+    POSTPROCESSING = "postprocessing"
+    PREFILL = "prefill"  # prefill nodes
+
+
+class BackendRole(enum.StrEnum):
+    """The ``role`` parameter of a ``disagg_backend`` model: which class of the backend serves it."""
+
+    PREPROCESSING = "preprocessing"
+    DECODE = "decode"
+    POSTPROCESSING = "postprocessing"
+    PREFILL = "prefill"
+
+
+class Tensor(enum.StrEnum):
+    """Input and output tensor names."""
+
+    # llm / preprocessing
+    TEXT_INPUT = "text_input"
+    CHAT = "chat"
+    EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+    INPUT_IDS = "input_ids"
+    # decode
+    MAX_TOKENS = "max_tokens"
+    STREAM = "stream"
+    TEMPERATURE = "temperature"
+    TOP_K = "top_k"
+    TOP_P = "top_p"
+    RANDOM_SEED = "random_seed"
+    STOP_WORDS = "stop_words"
+    END_ID = "end_id"
+    BEAM_WIDTH = "beam_width"
+    IGNORE_EOS = "ignore_eos"
+    OUTPUT_IDS = "output_ids"
+    TEXT_SKIP = "text_skip"
+    STOP_WORDS_OUT = "stop_words_out"
+    # postprocessing / llm
+    TEXT_OUTPUT = "text_output"
+    # prefill
+    HANDSHAKE = "handshake"
+    ENDPOINT = "endpoint"
+    PREFILL_REQUEST = "prefill_request"
+    LOAD_TOKENS = "load_tokens"

@@ -1,0 +1,58 @@
+"""What one serving node runs: loaded once from a JSON / YAML file and passed down.
+
+``NodeConfig`` embeds the engine's own config and the messenger's transport spec instead of
+copying their fields; the launcher renders one per rank from the cluster config. The Triton
+backend finds it through the one environment variable it reads, ``NODE_CONFIG_ENV``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from kv_messenger.config import TransportSpec
+from torch_engine.config import EngineConfig, Role
+
+NODE_CONFIG_ENV = "DISAGG_NODE_CONFIG"  # the node config file of a serving process
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RequestLimits(_Frozen):
+    max_tokens: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
+
+
+class RequestTimeouts(_Frozen):
+    kv_transfer_s: float = Field(default=60.0, gt=0, description="reserve -> all KV landed")
+    prefill_request_s: float = Field(default=10.0, gt=0, description="one prefill request call")
+
+
+class NodeConfig(_Frozen):
+    """One process (MPI rank) of a deployment. Without ``mpi_rank`` it is a standalone node (tests,
+    single-server use)."""
+
+    engine: EngineConfig
+    transport: TransportSpec = TransportSpec()
+    limits: RequestLimits = RequestLimits()
+    timeouts: RequestTimeouts = RequestTimeouts()
+    agent_name: str = "disagg-node"  # NIXL agent name of this node's messenger
+    role: Role = Role.COLOCATED  # DECODE: KV comes from prefill groups; PREFILL; COLOCATED: prefills itself
+    group: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    mpi_rank: int | None = Field(default=None, ge=0)  # set: this rank is part of an mpirun deployment
+    host: str = "127.0.0.1"  # where this rank's servers (TP rendezvous, Triton) listen
+    grpc_url: str | None = None  # group leaders: their Triton gRPC endpoint, announced to the peers
+    trace_path: Path | None = None  # JSONL of per-request server-side timestamps (benchmarks)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NodeConfig:
+        text = Path(path).read_text(encoding="utf-8")
+        return cls.model_validate(yaml.safe_load(text))
+
+    def dump(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json")), encoding="utf-8")

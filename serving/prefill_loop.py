@@ -1,0 +1,129 @@
+"""A prefill node's serving loop (a ``ServingLoop``): the engine plus its messenger, one thread.
+
+``PrefillLoop`` owns an ``LLMEngine`` (prefill role), a ``PrefillSide`` and the
+``PrefillLink`` between them. ``handshake`` connects decode ranks and returns this node's
+endpoint; ``submit`` queues a ``PrefillRequest`` and returns the load (outstanding prefill
+tokens) so routers can balance. The loop thread admits requests, steps the engine, and releases
+source pages as transfers complete. No Triton import: the ``prefill`` Triton model is a shim.
+
+Per request: submit (validated at once) ──inbox──> PrefillLink.submit ──steps──> prefilled
+──every write completed──> source pages released, ``on_done(outcome, seconds)``
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kv_messenger.prefill_side import PrefillOutcome, PrefillSide
+from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from kv_messenger.transport.base import Transport
+from serving.kv_links import PrefillLink, engine_layout, metadata_bytes
+from serving.loop import ServingLoop
+from serving.tp_group import GroupChannel, GroupPrefillSide
+from serving.trace import Tracer
+from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason
+from torch_engine.sampling import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+DoneHook = Callable[[PrefillOutcome, float], None]  # (outcome, seconds from submit to last write done)
+
+
+class PrefillLoop(ServingLoop[PrefillRequest]):
+    name = "prefill-loop"
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        side: GroupPrefillSide,
+        idle_wait_s: float = 0.002,
+        on_done: DoneHook | None = None,
+        on_exit: Callable[[], None] | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        super().__init__(on_exit)
+        self.engine = engine
+        self.on_done = on_done
+        self.tracer = tracer
+        self.side = side
+        self.link = PrefillLink(engine, self.side)
+        self.idle_wait_s = idle_wait_s
+        self._started: dict[str, float] = {}
+        self._outstanding: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.side.start()
+        self._start()
+
+    @classmethod
+    def standalone(cls, engine: LLMEngine, transport: Transport, on_done: DoneHook | None = None) -> PrefillLoop:
+        """A TP-1 prefill node whose decode peers connect by ``handshake``."""
+        local = PrefillSide(transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine))
+        return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done)
+
+    def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:
+        self.side.connect(decode_ranks)
+        return self.side.endpoint()
+
+    def submit(self, req: PrefillRequest) -> int:
+        """Queue a prefill; returns the outstanding prefill tokens on this node, this one included.
+        A prompt the engine would refuse raises ``ValueError`` here, before anything is queued."""
+        if len(req.prompt_ids) < 2:
+            raise ValueError(f"request {req.request_id}: a split request needs at least 2 prompt tokens")
+        try:
+            self.engine.check_prompt(req.prompt_ids)
+        except InvalidRequestError as exc:
+            raise ValueError(f"request {req.request_id}: {exc}") from None
+        with self._lock:
+            self._outstanding[req.request_id] = len(req.prompt_ids) - 1
+            self._started[req.request_id] = time.monotonic()
+            load = sum(self._outstanding.values())
+        if self.tracer is not None:
+            self.tracer.mark(req.request_id, "received", prompt_tokens=len(req.prompt_ids))
+        self._put(req)
+        return load
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        stopped = super().stop(timeout_s)
+        self.side.stop()
+        return stopped
+
+    def live(self) -> int:
+        """Requests the loop still tracks (tests of bounded state)."""
+        with self._lock:
+            return len(self._outstanding)
+
+    # -- ServingLoop ---------------------------------------------------------------------
+    def _admit(self, item: PrefillRequest) -> None:
+        try:
+            self.link.submit(item)
+        except InvalidRequestError:
+            log.exception("prefill request %s refused by the engine", item.request_id)
+            with self._lock:
+                self._outstanding.pop(item.request_id, None)
+                self._started.pop(item.request_id, None)
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def _wait_s(self) -> float:
+        return self.idle_wait_s
+
+    def _work(self) -> None:
+        if self.engine.has_unfinished():
+            for out in self.link.step():
+                if self.tracer is not None and out.finish_reason is FinishReason.PREFILLED:
+                    self.tracer.mark(out.request_id, "prefilled")
+        else:
+            self.side.sync()  # TP followers: collect their completions, or a heartbeat
+        for outcome in self.link.poll():
+            with self._lock:
+                self._outstanding.pop(outcome.request_id, None)
+                started = self._started.pop(outcome.request_id, time.monotonic())
+            if self.tracer is not None:
+                self.tracer.finish(outcome.request_id, "kv_sent", kv_bytes=outcome.bytes_posted)
+            if self.on_done is not None:
+                self.on_done(outcome, time.monotonic() - started)

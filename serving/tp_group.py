@@ -1,0 +1,354 @@
+"""The messenger across a tensor-parallel group: every rank moves its own shard's KV.
+
+Only the group leader talks to the world (Triton, the router, the engine's scheduler). Each TP
+rank has its own messenger side (its own NIXL agent and KV pools), so the leader forwards what
+its side is told to the followers' sides, and collects what they report:
+
+    leader ──GroupTick(commands, step inputs | None)──> followers      (one broadcast per tick)
+    leader <──RankReport(completed / ready / failed / releasable)──── followers (one gather per tick)
+
+A tick rides on every engine step (the engine's ``TickHook``, ``set_tick_hook``: the commands go out with the step,
+so a follower's side learns which forward pass completes which pages *before* it runs), and
+``sync`` sends an idle tick when no step runs but transfers are outstanding, or as a heartbeat.
+
+``GroupPrefillSide`` / ``GroupDecodeSide`` have the interface of ``PrefillSide`` / ``DecodeSide``
+that ``PrefillLink`` / ``DecodeLink`` use, and merge the ranks: a prefill request is complete
+when every rank finished it (its worst outcome wins); a decode request is ready when every rank
+counted all its writes, failed when any rank failed (the others are then aborted), and its
+pages are releasable only once every rank says no write can still land. With TP 1 they add
+nothing: no collective runs. ``run_follower`` is a follower rank's whole life.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_messenger.decode_side import DecodePoll, DecodeSide
+from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
+from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from torch_engine.engine import LLMEngine
+from torch_engine.model_runner import StepInputs
+from torch_engine.parallel import TPGroup
+
+
+# -- commands (leader -> followers) ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SubmitCmd:
+    req: PrefillRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleCmd:
+    request_id: str
+    forward: int
+    tokens_done: int
+    last: bool
+    src_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDoneCmd:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCmd:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetCmd:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectCmd:
+    request_id: str
+    epoch: int
+    prefill_agents: tuple[str, ...]
+    num_pages: int
+    seed: int
+    timeout_s: float
+
+
+Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | ExpectCmd
+
+
+@dataclass(slots=True)
+class GroupTick:
+    commands: list[Command]
+    inputs: StepInputs | None
+
+
+@dataclass(slots=True)
+class RankReport:
+    rank: int
+    completed: list[PrefillOutcome] = field(default_factory=list)  # prefill ranks
+    ready: list[str] = field(default_factory=list)  # decode ranks
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    releasable: list[str] = field(default_factory=list)
+
+
+class GroupChannel:
+    """Leader end of the tick protocol. With TP 1 every method is free."""
+
+    def __init__(
+        self, engine: LLMEngine, idle_tick_s: float = 0.001, heartbeat_s: float = 1.0, on_steps: bool = True
+    ) -> None:
+        self.tp: TPGroup = engine.tp
+        self.idle_tick_s = idle_tick_s
+        self.heartbeat_s = heartbeat_s
+        self._pending: list[Command] = []
+        self._reports: list[RankReport] = []
+        self._last = time.monotonic()
+        if self.tp.size > 1 and on_steps:  # without a messenger (colocated) steps go out bare: no gather
+            engine.set_tick_hook(self)
+
+    def send(self, cmd: Command) -> None:
+        if self.tp.size > 1:
+            self._pending.append(cmd)
+
+    def wrap(self, inputs: StepInputs) -> object:
+        tick, self._pending = GroupTick(self._pending, inputs), []
+        return tick
+
+    def after(self) -> None:
+        self._gather()
+
+    def sync(self, busy: bool) -> None:
+        """An idle tick if commands wait, if ``busy`` (transfers outstanding) and one is due, or as a heartbeat."""
+        if self.tp.size == 1:
+            return
+        since = time.monotonic() - self._last
+        if self._pending or (busy and since >= self.idle_tick_s) or since >= self.heartbeat_s:
+            tick, self._pending = GroupTick(self._pending, None), []
+            self.tp.broadcast_object(tick)
+            self._gather()
+
+    def reports(self) -> list[RankReport]:
+        out, self._reports = self._reports, []
+        return out
+
+    def stop(self) -> None:
+        if self.tp.size > 1:
+            self.tp.broadcast_object(None)
+
+    def _gather(self) -> None:
+        got = self.tp.gather_object(RankReport(0))
+        assert got is not None
+        self._reports += [r for r in got[1:] if isinstance(r, RankReport)]
+        self._last = time.monotonic()
+
+
+class GroupPrefillSide:
+    """The leader's prefill side for the whole group (``PrefillSide``'s interface)."""
+
+    def __init__(self, local: PrefillSide, channel: GroupChannel) -> None:
+        self.local = local
+        self.channel = channel
+        self.size = channel.tp.size
+        self._partial: dict[str, tuple[set[int], PrefillOutcome]] = {}
+
+    def endpoint(self) -> RankEndpoint:
+        return self.local.endpoint()
+
+    def connect(self, decode_ranks: Sequence[RankEndpoint]) -> None:
+        self.local.connect(decode_ranks)
+
+    def start(self) -> None:
+        self.local.start()
+
+    def stop(self) -> None:
+        self.local.stop()
+
+    def submit(self, req: PrefillRequest) -> None:
+        self.local.submit(req)
+        self.channel.send(SubmitCmd(req))
+
+    def schedule(self, request_id: str, forward: int, tokens_done: int, last: bool, src_pages: Sequence[int]) -> None:
+        self.local.schedule(request_id, forward, tokens_done, last, src_pages)
+        self.channel.send(ScheduleCmd(request_id, forward, tokens_done, last, tuple(src_pages)))
+
+    def set_metadata(self, request_id: str, payload: torch.Tensor) -> None:
+        self.local.set_metadata(request_id, payload)  # the leader alone writes the metadata
+
+    def prefill_done(self, request_id: str) -> None:
+        self.local.prefill_done(request_id)
+        self.channel.send(PrefillDoneCmd(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self.local.abort(request_id)
+        self.channel.send(AbortCmd(request_id))
+
+    def outstanding(self) -> bool:
+        return bool(self._partial) or self.local.busy()
+
+    def sync(self) -> None:
+        self.channel.sync(self.outstanding())
+
+    def completed(self) -> list[PrefillOutcome]:
+        """Requests finished on every rank: worst state, summed bytes."""
+        if self.size == 1:
+            return self.local.completed()
+        arrivals = [(0, o) for o in self.local.completed()]
+        arrivals += [(r.rank, o) for r in self.channel.reports() for o in r.completed]
+        done = []
+        for rank, o in arrivals:
+            ranks, merged = self._partial.get(o.request_id, (set(), None))
+            ranks.add(rank)
+            if merged is None:
+                merged = o
+            else:
+                worst = max(merged.state, o.state)
+                error = merged.error if merged.state >= o.state else o.error
+                merged = PrefillOutcome(o.request_id, worst, error, merged.bytes_posted + o.bytes_posted)
+            if len(ranks) == self.size:
+                self._partial.pop(o.request_id, None)
+                done.append(merged)
+            else:
+                self._partial[o.request_id] = (ranks, merged)
+        return done
+
+
+@dataclass(slots=True)
+class _Merge:
+    ready: set[int] = field(default_factory=set)
+    settled: set[int] = field(default_factory=set)  # ranks where no write can land any more
+    failed: bool = False
+    aborted: bool = False
+
+
+class GroupDecodeSide:
+    """The leader's decode side for the whole group (``DecodeSide``'s interface)."""
+
+    def __init__(self, local: DecodeSide, channel: GroupChannel, agents: Sequence[str]) -> None:
+        self.local = local
+        self.channel = channel
+        self.size = channel.tp.size
+        self.agents = list(agents)  # every rank's agent name, by TP rank
+        self.meta_slots = local.meta_slots
+        self._jobs: dict[str, _Merge] = {}
+
+    def endpoint(self) -> RankEndpoint:
+        return self.local.endpoint()
+
+    def connect(self, prefill_ranks: Sequence[RankEndpoint]) -> None:
+        self.local.connect(prefill_ranks)
+
+    def meta_slot(self, slot: int) -> torch.Tensor:
+        return self.local.meta_slot(slot)
+
+    def expect(
+        self,
+        request_id: str,
+        epoch: int,
+        prefill_agents: Sequence[str],
+        num_pages: int,
+        seed: int,
+        meta: bool,
+        timeout_s: float,
+    ) -> int:
+        expected = self.local.expect(request_id, epoch, prefill_agents, num_pages, seed, meta, timeout_s)
+        if self.size > 1:
+            cmd = ExpectCmd(request_id, epoch, tuple(prefill_agents), num_pages, seed, timeout_s)
+            self.channel.send(cmd)
+            self._jobs[request_id] = _Merge()
+        return expected
+
+    def abort(self, request_id: str) -> None:
+        self.local.abort(request_id)
+        if request_id in self._jobs:
+            self._jobs[request_id].aborted = True
+            self.channel.send(AbortCmd(request_id))
+
+    def forget(self, request_id: str) -> None:
+        self.local.forget(request_id)
+        if self._jobs.pop(request_id, None) is not None:
+            self.channel.send(ForgetCmd(request_id))
+
+    def poll(self) -> DecodePoll:
+        if self.size == 1:
+            return self.local.poll()
+        self.channel.sync(bool(self._jobs))
+        events = [(0, self.local.poll())]
+        events += [(r.rank, DecodePoll(r.ready, r.failed, r.releasable)) for r in self.channel.reports()]
+        ready: list[str] = []
+        failed: list[tuple[str, str]] = []
+        releasable: list[str] = []
+        for rank, polled in events:
+            for rid in polled.ready:
+                job = self._jobs.get(rid)
+                if job is not None:
+                    job.ready.add(rank)
+                    job.settled.add(rank)
+            for rid, error in polled.failed:
+                job = self._jobs.get(rid)
+                if job is not None and not job.failed and not job.aborted:
+                    job.failed = True
+                    failed.append((rid, f"{error} (TP rank {rank})"))
+                    self.abort(rid)  # the other ranks stop waiting; pages come back once all settle
+            for rid in polled.releasable:
+                job = self._jobs.get(rid)
+                if job is not None:
+                    job.settled.add(rank)
+        for rid, job in list(self._jobs.items()):
+            if not (job.failed or job.aborted) and len(job.ready) == self.size:
+                ready.append(rid)
+                del self._jobs[rid]
+            elif (job.failed or job.aborted) and len(job.settled) == self.size:
+                releasable.append(rid)
+                del self._jobs[rid]
+        return DecodePoll(ready, failed, releasable)
+
+
+def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> None:
+    """A TP follower's life: apply the leader's commands to this rank's side, run each step, report."""
+    rank = engine.tp.rank
+
+    def on_tick(msg: object) -> None:
+        if not isinstance(msg, GroupTick):
+            raise RuntimeError(f"TP follower got {type(msg).__name__}")
+        report = RankReport(rank)
+        for cmd in msg.commands:
+            _apply(side, cmd, report)
+        if msg.inputs is not None:
+            engine.execute_step(msg.inputs)
+        if isinstance(side, PrefillSide):
+            report.completed += side.completed()
+        elif isinstance(side, DecodeSide):
+            polled = side.poll()
+            report.ready, report.failed, report.releasable = polled.ready, polled.failed, polled.releasable
+        engine.tp.gather_object(report)
+
+    engine.run_follower(on_tick)
+
+
+def _apply(side: PrefillSide | DecodeSide | None, cmd: Command, report: RankReport) -> None:
+    if isinstance(side, PrefillSide):
+        if isinstance(cmd, SubmitCmd):
+            try:
+                side.submit(cmd.req)
+            except ValueError as exc:  # the leader refused it too, or will hear of it here
+                report.completed.append(PrefillOutcome(cmd.req.request_id, PrefillJobState.FAILED, str(exc)))
+        elif isinstance(cmd, ScheduleCmd):
+            side.schedule(cmd.request_id, cmd.forward, cmd.tokens_done, cmd.last, cmd.src_pages)
+        elif isinstance(cmd, PrefillDoneCmd):
+            side.prefill_done(cmd.request_id)
+        elif isinstance(cmd, AbortCmd):
+            side.abort(cmd.request_id)
+    elif isinstance(side, DecodeSide):
+        if isinstance(cmd, ExpectCmd):
+            try:
+                c = cmd
+                side.expect(c.request_id, c.epoch, c.prefill_agents, c.num_pages, c.seed, False, c.timeout_s)
+            except ValueError as exc:
+                report.failed.append((cmd.request_id, str(exc)))
+                report.releasable.append(cmd.request_id)
+        elif isinstance(cmd, AbortCmd):
+            side.abort(cmd.request_id)
+        elif isinstance(cmd, ForgetCmd):
+            side.forget(cmd.request_id)

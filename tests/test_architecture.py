@@ -1,0 +1,122 @@
+"""The package map holds (ARCHITECTURE.md): who may import whom, and nobody touches the engine's insides."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch_engine", "kv_messenger", "serving", "orchestrator", "bench", "builders", "backends", "disagg")
+TRITON = ("triton_python_backend_utils", "tritonclient")
+
+# package -> top-level modules it must never import
+FORBIDDEN = {
+    "torch_engine": ("kv_messenger", "serving", "orchestrator", "bench", "backends", "disagg", *TRITON),
+    "kv_messenger": ("serving", "orchestrator", "bench", "backends", "disagg", *TRITON),
+    "serving": ("orchestrator", "bench", "backends", "disagg", "triton_python_backend_utils"),
+    "orchestrator": ("bench", "backends", "disagg", "triton_python_backend_utils"),
+    "builders": ("kv_messenger", "serving", "orchestrator", "bench", "backends", "disagg", *TRITON),
+    "bench": ("backends", "disagg", "triton_python_backend_utils"),
+}
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports (at module level or inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_rules(package: str) -> None:
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _sources(package)
+        for name in sorted(_imports(path) & set(FORBIDDEN[package]))
+    ]
+    assert not bad, "; ".join(bad)
+
+
+def test_only_backends_import_triton_backend_utils() -> None:
+    users = [
+        str(p.relative_to(ROOT))
+        for pkg in PACKAGES
+        for p in _sources(pkg)
+        if "triton_python_backend_utils" in _imports(p)
+    ]
+    assert users == ["backends/disagg_backend/model.py"]
+
+
+# an engine's private member: ``engine._x``, ``self.engine._x``, ``decode._allocator``, ... on a name that
+# holds an LLMEngine in these packages (they call it ``engine``, or name it after its role)
+_PRIVATE = re.compile(r"\b(?:engine|prefill|decode|ref|tight|roomy)\._[a-z]\w*")
+
+
+def test_nothing_outside_the_engine_touches_its_private_state() -> None:
+    hits = []
+    for pkg in (*PACKAGES, "tests"):
+        if pkg == "torch_engine":
+            continue
+        for path in _sources(pkg):
+            if path.name == "test_architecture.py":
+                continue
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if _PRIVATE.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_engine_has_no_public_allocator_requests_or_runner() -> None:
+    from torch_engine.engine import LLMEngine
+
+    src = (ROOT / "torch_engine" / "engine.py").read_text(encoding="utf-8")
+    for name in ("allocator", "requests", "runner", "scheduler"):
+        assert f"self.{name} " not in src and f"self.{name}=" not in src, name
+        assert not hasattr(LLMEngine, name), name
+
+
+def _function_lengths(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        (n.name, (n.end_lineno or n.lineno) - n.lineno + 1)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def test_no_long_functions_in_the_runtime_and_tools() -> None:
+    """Functions stay short enough to read at once (the issue named 61-87-line ones)."""
+    long = [
+        f"{path.relative_to(ROOT)}:{name} ({n} lines)"
+        for pkg in ("serving", "orchestrator", "bench", "disagg", "kv_messenger")
+        for path in _sources(pkg)
+        for name, n in _function_lengths(path)
+        if n > 60
+    ]
+    assert not long, "; ".join(long)
+
+
+def test_model_repository_uses_the_shared_names() -> None:
+    """Every model and tensor name in ``model_repo/`` is declared once, in ``serving.names``."""
+    from serving.names import BackendRole, Model, Tensor
+
+    for config in sorted((ROOT / "model_repo").glob("*/config.pbtxt")):
+        text = config.read_text(encoding="utf-8")
+        assert Model(re.search(r'^name: "([^"]+)"', text, re.M).group(1)) is not None  # type: ignore[union-attr]
+        for tensor in re.findall(r'\{\s*name:\s*"([^"]+)"', text):
+            assert tensor in {t.value for t in Tensor}, f"{config.parent.name}: {tensor}"
+        role = re.search(r'key: "role" value: \{ string_value: "([^"]+)"', text)
+        if role is not None:
+            assert BackendRole(role.group(1)) is not None

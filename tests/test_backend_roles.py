@@ -1,0 +1,193 @@
+"""The Triton backend shim without a server: each role driven through a mocked ``triton_python_backend_utils``
+(as TensorRT-LLM's backend tests do), against real engines and tokenizers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from serving.names import BackendRole, Tensor
+from serving.node_config import NODE_CONFIG_ENV, NodeConfig
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+MODEL_PY = Path(__file__).resolve().parent.parent / "backends" / "disagg_backend" / "model.py"
+FINAL = 1
+
+
+class FakeTensor:
+    def __init__(self, name: str, value: np.ndarray) -> None:
+        self.name, self.value = str(name), np.asarray(value)
+
+    def as_numpy(self) -> np.ndarray:
+        return self.value
+
+
+class FakeError:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class FakeResponse:
+    def __init__(self, output_tensors: list[FakeTensor] | None = None, error: FakeError | None = None) -> None:
+        self.tensors = {t.name: t.value for t in output_tensors or []}
+        self.error = error
+
+
+class FakeMetric:
+    def __init__(self, **_: object) -> None:
+        self.values: list[float] = []
+
+    def observe(self, v: float) -> None:
+        self.values.append(v)
+
+    increment = set = observe
+
+
+class FakeFamily:
+    HISTOGRAM, COUNTER, GAUGE = 0, 1, 2
+
+    def __init__(self, *_: object) -> None:
+        pass
+
+    def Metric(self, **kw: object) -> FakeMetric:
+        return FakeMetric(**kw)
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[FakeResponse | None, int]] = []
+        self.done = threading.Event()
+        self.cancelled = False
+
+    def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+        if flags & FINAL:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+class FakeRequest:
+    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "") -> None:
+        self.inputs, self._id, self.sender = inputs, request_id, FakeSender()
+
+    def request_id(self) -> str:
+        return self._id
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+
+def _fake_pb_utils() -> types.ModuleType:
+    m = types.ModuleType("triton_python_backend_utils")
+    m.Tensor = FakeTensor  # type: ignore[attr-defined]
+    m.InferenceResponse = FakeResponse  # type: ignore[attr-defined]
+    m.TritonError = FakeError  # type: ignore[attr-defined]
+    m.MetricFamily = FakeFamily  # type: ignore[attr-defined]
+    m.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
+
+    def get_input_tensor_by_name(request: FakeRequest, name: str) -> FakeTensor | None:
+        value = request.inputs.get(str(name))
+        return None if value is None else FakeTensor(name, value)
+
+    m.get_input_tensor_by_name = get_input_tensor_by_name  # type: ignore[attr-defined]
+    return m
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    spec = importlib.util.spec_from_file_location("disagg_backend_model_under_test", MODEL_PY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+
+
+def _model(backend: Any, role: BackendRole, node: NodeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    path = tmp_path / f"{role.value}.yaml"
+    node.dump(path)
+    monkeypatch.setenv(NODE_CONFIG_ENV, str(path))
+    model = backend.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {"role": {"string_value": role.value}}})})
+    return model
+
+
+def _strings(*values: str) -> np.ndarray:
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+def test_preprocessing_and_postprocessing_roles(backend, smollm2_dir: Path, tmp_path, monkeypatch) -> None:
+    node = NodeConfig(engine=EngineConfig(engine_dir=smollm2_dir))
+    pre = _model(backend, BackendRole.PREPROCESSING, node, tmp_path, monkeypatch)
+    post = _model(backend, BackendRole.POSTPROCESSING, node, tmp_path, monkeypatch)
+    ok, empty, missing = pre.execute(
+        [FakeRequest({"text_input": _strings("Hello there")}), FakeRequest({"text_input": _strings("  ")}),
+         FakeRequest({})]
+    )  # fmt: skip
+    ids = ok.tensors[Tensor.INPUT_IDS].tolist()
+    assert ids and ok.error is None
+    assert empty.error.message == "input text_input is empty"
+    assert missing.error.message == "input text_input is missing"
+    (text,) = post.execute([FakeRequest({"output_ids": np.array(ids, np.int32), "text_skip": np.array([0], np.int32),
+                                         "stop_words": _strings("there")})])  # fmt: skip
+    assert text.tensors[Tensor.TEXT_OUTPUT][0].decode() == "Hello "  # the stop word cut the text
+    (bad,) = post.execute([FakeRequest({"text_skip": np.array([0], np.int32)})])
+    assert bad.error.message == "input output_ids is missing"
+
+
+def test_decode_role_streams_the_engines_tokens(backend, tiny_engine_dir, tmp_path, monkeypatch) -> None:
+    engine_dir = tiny_engine_dir("llama")
+    node = NodeConfig(engine=EngineConfig(engine_dir=engine_dir, num_pages=64))
+    decode = _model(backend, BackendRole.DECODE, node, tmp_path, monkeypatch)
+    try:
+        prompt = [5, 9, 14, 3, 7]
+        want = LLMEngine(EngineConfig(engine_dir=engine_dir), load_tokenizer=False).generate(
+            [prompt], SamplingParams(max_tokens=6)
+        )[0]
+        ok = FakeRequest({"input_ids": np.array(prompt, np.int32), "max_tokens": np.array([6], np.int32),
+                          "stream": np.array([False])}, request_id="same")  # fmt: skip
+        again = FakeRequest(dict(ok.inputs), request_id="same")  # a client may reuse an id
+        bad = FakeRequest({"input_ids": np.array(prompt, np.int32), "max_tokens": np.array([0], np.int32)})
+        decode.execute([ok, again, bad])
+        for r in (ok, again, bad):
+            assert r.sender.done.wait(30)
+        for r in (ok, again):
+            (response, flags), = r.sender.sent  # fmt: skip
+            assert response is not None and flags == FINAL and response.error is None
+            assert response.tensors[Tensor.OUTPUT_IDS].tolist() == want
+        (response, flags), = bad.sender.sent  # fmt: skip
+        assert response is not None and response.error is not None
+        assert "max_tokens must be in [1, 4096]" in response.error.message
+        assert decode.role.loop.live() == 0  # nothing left behind
+    finally:
+        decode.finalize()
+
+
+def test_prefill_role_refuses_bad_calls(backend, tiny_engine_dir, tmp_path, monkeypatch) -> None:
+    node = NodeConfig(engine=EngineConfig(engine_dir=tiny_engine_dir("llama"), num_pages=16), agent_name="fake-pb")
+    prefill = _model(backend, BackendRole.PREFILL, node, tmp_path, monkeypatch)
+    try:
+        neither, garbage, short = prefill.execute(
+            [FakeRequest({}), FakeRequest({"prefill_request": _strings("{not json")}),
+             FakeRequest({"prefill_request": _strings(json.dumps({
+                 "request_id": "x", "epoch": 0, "prompt_ids": [1], "dst_pages": [0], "decode_ranks": ["d"]}))})]
+        )  # fmt: skip
+        assert neither.error.message == "send handshake or prefill_request"
+        assert "Invalid JSON" in garbage.error.message
+        assert "needs at least 2 prompt tokens" in short.error.message
+        assert prefill.role.loop.live() == 0
+    finally:
+        prefill.finalize()
