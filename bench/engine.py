@@ -207,7 +207,7 @@ def load_hf(engine_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
-    return model.to(torch.device(device)).eval()
+    return torch.nn.Module.to(model, torch.device(device)).eval()
 
 
 def run(a: argparse.Namespace) -> int:
