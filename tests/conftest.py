@@ -28,10 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def engine_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test on each compute path: the reference, prepared (packed) weights, and decode steps
     through the decode-graph buckets (captured CUDA graphs on a GPU, eager buffers on a CPU)."""
-    helpers.PATH.prepack = request.param == "fast"
+    helpers.PATH.fast_cpu = request.param == "fast"
     helpers.PATH.decode_graphs = True if request.param == "graphs" else None
     yield str(request.param)
-    helpers.PATH.prepack, helpers.PATH.decode_graphs = False, None
+    helpers.PATH.fast_cpu, helpers.PATH.decode_graphs = False, None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

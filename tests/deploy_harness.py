@@ -22,6 +22,7 @@ def cluster(tmp: Path, **fields: object) -> ClusterConfig:
         "ports": {"http": http, "grpc": grpc, "metrics": metrics},
         "engine_cache": str(tmp / "engines"),
         "run_dir": str(tmp / "run"),
+        "run_dtype": "float32",  # outputs are compared with fp32 engines run in-process
         "timeouts": {"startup_s": 240, "kv_transfer_s": 60, "shutdown_s": 20},
     }
     return ClusterConfig.parse(base | fields)

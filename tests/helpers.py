@@ -96,7 +96,7 @@ class EnginePath:
     machine), and the serving fast paths (prepared weights, decode graphs) or the reference one."""
 
     device: str = "cpu"
-    prepack: bool = False
+    fast_cpu: bool = False
     decode_graphs: bool | None = None
 
 
@@ -105,7 +105,7 @@ PATH = EnginePath()
 
 def engine_config(engine_dir: Path, **settings: Any) -> EngineConfig:
     """``EngineConfig`` on the tests' current engine path (``settings`` win)."""
-    path = {"device": PATH.device, "prepack": PATH.prepack, "decode_graphs": PATH.decode_graphs}
+    path = {"device": PATH.device, "fast_cpu": PATH.fast_cpu, "decode_graphs": PATH.decode_graphs}
     return EngineConfig.model_validate({"engine_dir": engine_dir, **path, **settings})
 
 

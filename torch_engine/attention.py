@@ -32,6 +32,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [B] rows of the flattened batch
     decode_page_table: torch.Tensor | None = None  # [B, M]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, M * page_size]
+    decode_kv_lens: torch.Tensor | None = None  # [B] tokens of KV per decode row (the fused kernel's mask)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
     @property

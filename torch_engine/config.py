@@ -218,5 +218,6 @@ class EngineConfig(_Frozen):
     # decode-only steps through static buffers, replayed as CUDA graphs on a GPU. None: on for CUDA
     # (TP 1, models without MoE), off on CPUs (padding to a bucket costs more than launches save there)
     decode_graphs: bool | None = None
-    # fp32 on a CPU: GEMM weights packed once for MKL (``auto`` dtype implies it where it picks fp32)
-    prepack: bool = False
+    # the CPU serving path: GEMM weights packed once for oneDNN (fp32 / bf16) and the fused paged decode
+    # attention kernel (torch_engine/csrc, built by make); the ``auto`` dtype implies it. Off: the reference path
+    fast_cpu: bool = False

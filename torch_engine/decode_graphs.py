@@ -152,6 +152,7 @@ class DecodeGraphs:
             decode_rows=torch.arange(slot.input_ids.shape[0], device=self.device),
             decode_page_table=slot.page_table,
             decode_mask=(keys < slot.kv_lens[:, None])[:, None, None, :],
+            decode_kv_lens=slot.kv_lens,
         )
         return self.model.norm(self.model(slot.input_ids, meta, self.kv, progress))
 

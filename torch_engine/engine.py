@@ -21,6 +21,7 @@ from torch_engine.config import EngineConfig, EngineManifest
 from torch_engine.connector import StepObserver, TickHook
 from torch_engine.cpu import cpu_info
 from torch_engine.decode_graphs import DecodeGraphs
+from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import Linear
@@ -97,13 +98,15 @@ class LLMEngine:
         self.page_size = config.page_size or self.manifest.page_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model = load_weights(self.manifest, config, self.tp, self.device, self.dtype)
-        self.prepacked = (config.prepack or config.dtype == "auto") and self._prepack()
+        fast = (config.fast_cpu or config.dtype == "auto") and self.device.type == "cpu"
+        self.prepacked = fast and self._prepack()
         layout = config.kv_layout or self.manifest.kv_layout
         graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
         graphs = graphs and self.tp.size == 1 and not mc.n_routed_experts
         pool_pages = config.num_pages + int(graphs)  # + the decode graphs' scratch page, outside the allocator
         spec = cache_spec(mc, self.tp.size, pool_pages, self.page_size, layout, self.dtype)
         self.kv = PagedKVCache(spec, self.device)
+        self.kv.kernels = cpu_kernels() if fast else None
         self.progress = LayerProgress(mc.num_layers, self.device)
         self._allocator = PageAllocator(config.num_pages)
         self._scheduler = Scheduler(
@@ -214,16 +217,17 @@ class LLMEngine:
         if self.device.type == "cuda":
             graphs = "cuda-graphs" if self._runner.graphs is not None else "eager"
             return f"cuda/{dtype}/{graphs}"
-        gemm = "mkl-packed" if self.prepacked else ("native-bf16" if cpu_info().native_bf16 else "plain")
-        return f"cpu/{dtype}/{gemm}/{cpu_info().simd}"
+        gemm = "onednn-packed" if self.prepacked else "plain"
+        attention = "fused-attention" if self.kv.kernels is not None else "torch-attention"
+        return f"cpu/{dtype}/{gemm}/{attention}/{cpu_info().simd}"
 
     def decode_graphs_stats(self) -> DecodeGraphs | None:
         """The decode-graph buckets (``replays``, ``captured``), or None when this engine runs eagerly."""
         return self._runner.graphs
 
     def _prepack(self) -> bool:
-        """Pack every fp32 GEMM weight once for MKL (CPU only); True if any was packed."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        """Pack every GEMM weight once for oneDNN (CPU, fp32 / bf16); True if any was packed."""
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         for m in linears:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -138,7 +139,12 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """The pools (one ``[num_pages, *page_shape]`` tensor per layer) and their reads and writes."""
+    """The pools (one ``[num_pages, *page_shape]`` tensor per layer) and their reads and writes.
+
+    ``kernels`` (set by the engine on its fast CPU path): the compiled ``torch_engine/csrc``
+    module; GQA decode rows then attend straight from the pages (``decode_attention``)."""
+
+    kernels: ModuleType | None = None
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
@@ -186,6 +192,22 @@ class PagedKVCache:
         if self.spec.layout is KVLayout.HND:
             return g[:, :, :, 0], g[:, :, :, 1]  # [B, M, H, 2, P, D] -> [B, M, H, P, D]
         return g[..., 0, :].transpose(2, 3), g[..., 1, :].transpose(2, 3)  # [B, M, P, H, 2, D]
+
+    def decode_attention(
+        self, layer: int, q: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        """GQA decode rows (``q`` ``[B, Hq, D]``) over their pages with the fused kernel, reading K/V in
+        place; None when the kernel does not apply here (no kernels, another device, MLA)."""
+        pool = self.pools[layer]
+        if self.kernels is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+            return None
+        st = pool.stride()
+        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
+            head, kv, token = st[1], st[2], st[3]
+        else:  # [N, P, H, 2, D]
+            token, head, kv = st[1], st[2], st[3]
+        kh, ps = self.spec.kv_heads, self.spec.page_size
+        return self.kernels.paged_decode_attention(q, pool, page_table, kv_lens, kh, st[0], head, kv, token, ps, scale)
 
     def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store the MLA latent (``[T, L]``) of T tokens."""

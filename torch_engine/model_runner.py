@@ -122,6 +122,7 @@ class ModelRunner:
             meta.decode_rows = s.decode_rows.to(d)
             meta.decode_page_table = s.decode_tables.to(d)
             meta.decode_mask = (keys < s.decode_kv_lens[:, None])[:, None, None, :].to(d)
+            meta.decode_kv_lens = s.decode_kv_lens.to(d)
         for start, end, first, table in s.prefills:
             width = table.shape[1] * self.page_size
             mask = context_mask(first, end - start, first + end - start, width, torch.device("cpu")).to(d)

@@ -8,11 +8,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from bench.engine import copy_bandwidth
-from torch_engine.config import EngineConfig, SchedulerConfig
+from torch_engine.config import DType, EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -26,10 +27,13 @@ class Calibration:
     kv_bytes_per_token: int
 
 
-def calibrate(engine_dir: Path, lengths: list[int], target_ratio: float, chunk: int) -> Calibration:
+def calibrate(
+    engine_dir: Path, lengths: list[int], target_ratio: float, chunk: int, run_dtype: DType | Literal["auto"]
+) -> Calibration:
     torch.set_num_threads(1)
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
-    engine = LLMEngine(EngineConfig(engine_dir=engine_dir, num_threads=1, num_pages=512, scheduler=scheduler))
+    cfg = EngineConfig(engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=512, scheduler=scheduler)
+    engine = LLMEngine(cfg)
     vocab = engine.manifest.model.vocab_size
 
     def prompt(n: int) -> list[int]:

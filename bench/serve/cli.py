@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated prefill: post KV every N finished layers (copies share its core)")  # fmt: skip
     p.add_argument("--idle-requests", type=int, default=3, help="serial requests for the idle SLO baseline")
     p.add_argument("--max-seconds", type=float, default=150.0, help="bound on one rate point")
+    p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
+                   help="dtype the engines compute in, in both modes and in the calibration")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/bench_serve"))
     p.add_argument("--json", type=Path, default=None, help="every figure and ratio (default OUT/bench_serve.json)")
@@ -74,6 +77,7 @@ class Options:
     idle_requests: int
     max_seconds: float
     seed: int
+    run_dtype: str
     out: Path
     json: Path
     command: str
@@ -85,8 +89,8 @@ class Options:
         out = Path(a.out).resolve()
         return cls(
             engine_dir, [Workload(w) for w in a.workloads], a.requests, a.rates, a.rate_multiples, a.prefill_ratio,
-            a.calibrate_lengths, a.chunk, a.cores, a.layers_per_post, a.idle_requests, a.max_seconds, a.seed, out,
-            a.json or out / "bench_serve.json", "disagg bench serve " + " ".join(a.argv),
+            a.calibrate_lengths, a.chunk, a.cores, a.layers_per_post, a.idle_requests, a.max_seconds, a.seed,
+            a.run_dtype, out, a.json or out / "bench_serve.json", "disagg bench serve " + " ".join(a.argv),
         )  # fmt: skip
 
 
@@ -128,7 +132,8 @@ def run(a: argparse.Namespace) -> int:
     opts = Options.from_args(a)
     opts.out.mkdir(parents=True, exist_ok=True)
     print(f"[bench] calibrating on {opts.engine_dir.name} (1 thread)", flush=True)
-    cal = calibrate(opts.engine_dir, opts.calibrate_lengths, opts.prefill_ratio, opts.chunk)
+    run_dtype: DType | Literal["auto"] = "auto" if opts.run_dtype == "auto" else DType(opts.run_dtype)
+    cal = calibrate(opts.engine_dir, opts.calibrate_lengths, opts.prefill_ratio, opts.chunk, run_dtype)
     print(
         f"[bench] decode step {1000 * cal.decode_step_s:.1f} ms; prefill-heavy prompt {cal.prefill_len} tokens "
         f"({cal.prefill_s[cal.prefill_len] / cal.decode_step_s:.1f} steps)",
@@ -137,7 +142,10 @@ def run(a: argparse.Namespace) -> int:
     machine: dict[str, object] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     report = ServeReport(opts.command, machine, cal)
     launches = {
-        m: Launch(deployment(m, opts.engine_dir, opts.out, opts.chunk, opts.cores, opts.layers_per_post)) for m in MODES
+        m: Launch(
+            deployment(m, opts.engine_dir, opts.out, opts.chunk, opts.cores, opts.layers_per_post, opts.run_dtype)
+        )
+        for m in MODES
     }
     try:
         _start(launches)

@@ -15,11 +15,18 @@ MODES = ("colocated", "disaggregated")
 
 
 def deployment(
-    mode: str, engine_dir: Path, out: Path, chunk: int, cores: list[int], layers_per_post: int = 1
+    mode: str,
+    engine_dir: Path,
+    out: Path,
+    chunk: int,
+    cores: list[int],
+    layers_per_post: int = 1,
+    run_dtype: str = "auto",
 ) -> ClusterConfig:
     base: dict[str, object] = {
         "mode": mode,
         "dtype": "float32",
+        "run_dtype": run_dtype,
         "threads_per_rank": 1,
         "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": chunk, "max_prefill_chunk": chunk},
         "ports": {"http": free_port(), "grpc": free_port(), "metrics": free_port()},

@@ -44,14 +44,17 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk, meta.cos, meta.sin)  # q and k heads rotated together
         q, k = qk[:, : self.hq], qk[:, self.hq :]
         kv.write_kv(layer, k, v, meta.slot_pages, meta.slot_offsets)
-        out = paged_attention(
-            q,
-            meta,
-            lambda table: kv.gather_kv(layer, table),
-            self.scale,
-            self.d,
-            lambda qd, table, mask: decode_attention(qd, *kv.gather_pages_kv(layer, table), mask, self.scale),
-        )
+
+        def decode(qd: torch.Tensor, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            lens = meta.decode_kv_lens
+            fused = kv.decode_attention(layer, qd, table, lens, self.scale) if lens is not None else None
+            return (
+                fused
+                if fused is not None
+                else decode_attention(qd, *kv.gather_pages_kv(layer, table), mask, self.scale)
+            )
+
+        out = paged_attention(q, meta, lambda table: kv.gather_kv(layer, table), self.scale, self.d, decode)
         return self.tp.all_reduce(self.o(out.reshape(t, -1)))
 
 
