@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test test-fast lint typecheck bench bench-engine bench-transfer clean
+.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ typecheck: setup
 # The serving benchmark (colocated vs disaggregated, ~30 min here); the engine and transfer ones.
 bench: setup
 	$(VENV)/bin/disagg bench serve --out runs/bench_serve
+
+# The optional peer of `bench engine`: llama.cpp's Python binding, built from source (~8 min, portable flags:
+# GGML_NATIVE=ON died with an illegal instruction on these machines). Never needed by make test.
+bench-peers: setup
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q llama-cpp-python==0.3.36
 
 bench-engine: setup
 	$(VENV)/bin/disagg bench engine --json runs/bench_engine.json

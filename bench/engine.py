@@ -12,7 +12,11 @@ and HF alternate ``--repeats`` times and each figure is the median:
   tied embeddings once, plus the KV of every sequence's context, in the dtype used) over the
   *read* bandwidth measured in the same run with the same threads (``sum`` over a 512 MiB
   buffer: decode reads weights, it does not copy them);
-- the aggregate decode speed-up of each batch over batch 1.
+- the aggregate decode speed-up of each batch over batch 1;
+- the optional peer llama.cpp (``make bench-peers`` installs ``llama-cpp-python``, built from
+  source): the same GGUF weights requantised to the engine's dtype (F32 or BF16, i.e. the weights
+  our builder dequantises), the same threads, a ``prompt_len`` prefill then ``decode_tokens``
+  single-token decodes. Batch 1 only: the binding's high-level API decodes one sequence.
 
 The CPU model and its flags and the engine's kernel path (``LLMEngine.kernel_path``) are
 recorded with every result.
@@ -26,7 +30,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--repeats", type=int, default=3, help="alternating engine / HF runs per point (median)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even where it is installed")
+    p.add_argument("--reference", action="store_true", help="the engine's reference path (no packed weights / kernels)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
                    help="decode-only steps through CUDA graphs (auto: on for CUDA)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
@@ -67,6 +73,8 @@ class Options:
     hf: bool
     json: Path | None
     decode_graphs: bool | None = None
+    llamacpp: bool = True
+    reference: bool = False
 
 
 @dataclass(slots=True)
@@ -84,12 +92,24 @@ class Point:
     decode_over_hf: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PeerPoint:
+    """llama.cpp at batch 1 on the same weights and threads."""
+
+    weights: str
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_step_ms: float
+    engine_decode_over_peer: float = 0.0
+
+
 @dataclass(slots=True)
 class ThreadReport:
     threads: int
     read_GBps: float
     copy_GBps: float
     points: dict[int, Point] = field(default_factory=dict)
+    llamacpp: PeerPoint | None = None
 
 
 @dataclass(slots=True)
@@ -213,7 +233,7 @@ def load_hf(engine_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.
 def run(a: argparse.Namespace) -> int:
     opts = Options(
         engine_dir_of(a), a.device, a.run_dtype, a.threads, a.prompt_len, a.decode_tokens, a.batch, a.repeats,
-        not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs],
+        not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs], not a.no_llamacpp, a.reference,
     )  # fmt: skip
     report = measure(opts)
     if opts.json:
@@ -229,6 +249,7 @@ def _engine(opts: Options) -> LLMEngine:
         engine_dir=opts.engine_dir,
         device=opts.device,
         decode_graphs=opts.decode_graphs,
+        fast_cpu=not opts.reference,
         dtype="auto" if opts.run_dtype == "auto" else DType(opts.run_dtype),
         num_pages=max_batch * (-(-(opts.prompt_len + opts.decode_tokens + 2) // page)) + 8,
         scheduler=SchedulerConfig(
@@ -256,9 +277,9 @@ def measure(opts: Options) -> Report:
         torch.set_num_threads(threads)
         read, copy = read_bandwidth(device=opts.device), copy_bandwidth(device=opts.device)
         tr = report.by_threads[threads] = ThreadReport(threads, read / 1e9, copy / 1e9)
-        engine_run(engine, _prompts(1, 16, mc.vocab_size, 99), 2)  # warm-up
+        engine_run(engine, _prompts(1, opts.prompt_len, mc.vocab_size, 99), 2)  # warm-up
         if hf is not None:
-            hf_run(hf, _prompts(1, 16, mc.vocab_size, 99), 2)
+            hf_run(hf, _prompts(1, opts.prompt_len, mc.vocab_size, 99), 2)
         for batch in opts.batch:
             floor_ms = 1e3 * (wbytes + kv_token_bytes * context * batch) / (tr.read_GBps * 1e9)
             tr.points[batch] = _point(engine, hf, opts, batch, floor_ms)
@@ -266,6 +287,8 @@ def measure(opts: Options) -> Report:
                 b1 = tr.points[1].engine_decode_tok_s
                 tr.points[batch].aggregate_over_batch1 = tr.points[batch].engine_decode_tok_s / b1
             print(_line(threads, batch, tr.points[batch]), flush=True)
+        if opts.llamacpp and opts.device == "cpu" and 1 in tr.points:
+            tr.llamacpp = llamacpp_point(engine, opts, threads, tr.points[1].engine_decode_tok_s)
     report.goals = goals(report)
     print("goals: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report.goals.items()))
     return report
@@ -311,6 +334,64 @@ def _line(threads: int, batch: int, p: Point) -> str:
     )
 
 
+def llamacpp_point(engine: LLMEngine, opts: Options, threads: int, engine_tok_s: float) -> PeerPoint | None:
+    """llama.cpp decoding the engine's GGUF source requantised to the engine's dtype; None (said) when
+    the binding is not installed or the engine was not built from a GGUF file."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("[bench] llama.cpp peer skipped: not installed (make bench-peers)", flush=True)
+        return None
+    source = Path(engine.manifest.source)
+    if source.suffix != ".gguf":
+        print(f"[bench] llama.cpp peer skipped: {source.name} is not a GGUF file", flush=True)
+        return None
+    kind = "BF16" if engine.dtype == torch.bfloat16 else "F32"
+    weights = opts.engine_dir / f"llamacpp-{kind}.gguf"
+    if not weights.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16 if kind == "BF16" else llama_cpp.LLAMA_FTYPE_ALL_F32
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(weights).encode(), params) != 0:
+            print("[bench] llama.cpp peer skipped: requantising the GGUF failed", flush=True)
+            return None
+    n_ctx = opts.prompt_len + opts.decode_tokens + 8
+    llm = llama_cpp.Llama(
+        model_path=str(weights),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=n_ctx,
+        n_batch=opts.prompt_len,
+        verbose=False,
+    )
+    prompt = _prompts(1, opts.prompt_len, engine.manifest.model.vocab_size, 1)[0]
+    pre, dec = [], []
+    for _ in range(opts.repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        for i in range(opts.decode_tokens):
+            llm.eval([prompt[i]])
+        dec.append(time.perf_counter() - t1)
+        pre.append(t1 - t0)
+    d = statistics.median(dec)
+    point = PeerPoint(
+        weights=kind,
+        prefill_tok_s=opts.prompt_len / statistics.median(pre),
+        decode_tok_s=opts.decode_tokens / d,
+        decode_step_ms=1e3 * d / opts.decode_tokens,
+    )
+    point = replace(point, engine_decode_over_peer=engine_tok_s / point.decode_tok_s)
+    print(
+        f"threads {threads} llama.cpp ({kind}) batch 1: prefill {point.prefill_tok_s:7.0f} tok/s  decode "
+        f"{point.decode_tok_s:6.1f} tok/s  step {point.decode_step_ms:.1f} ms; engine / llama.cpp "
+        f"x{point.engine_decode_over_peer:.2f}",
+        flush=True,
+    )
+    return point
+
+
 def goals(report: Report) -> dict[str, bool]:
     """The engine-speed issue's goals that this run can judge."""
     out: dict[str, bool] = {}
@@ -328,6 +409,13 @@ def goals(report: Report) -> dict[str, bool]:
         for b in (1, 16):
             if b in pts and pts[b].decode_over_hf is not None:
                 out[f"batch{b}_decode_at_least_1.5x_hf_{tr.threads}t"] = (pts[b].decode_over_hf or 0) >= 1.5
+        peer = tr.llamacpp
+        if peer is not None:
+            out[f"batch1_decode_at_least_llamacpp_{tr.threads}t"] = peer.engine_decode_over_peer >= 1.0
+            for b in (8, 16):
+                if b in pts:
+                    agg = pts[b].engine_decode_tok_s / peer.decode_tok_s
+                    out[f"batch{b}_aggregate_at_least_3x_llamacpp_{tr.threads}t"] = agg >= 3.0
     return out
 
 
