@@ -24,7 +24,7 @@ from torch_engine.decode_graphs import DecodeGraphs
 from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
 from torch_engine.layer_progress import LayerProgress
-from torch_engine.layers import Linear
+from torch_engine.layers import Linear, RMSNorm
 from torch_engine.model_runner import ModelRunner, StepInputs
 from torch_engine.models import build_model, cache_spec
 from torch_engine.models.decoder import CausalLM
@@ -100,6 +100,8 @@ class LLMEngine:
         self.model = load_weights(self.manifest, config, self.tp, self.device, self.dtype)
         fast = (config.fast_cpu or config.dtype == "auto") and self.device.type == "cpu"
         self.prepacked = fast and self._prepack()
+        for norm in (m for m in self.model.modules() if isinstance(m, RMSNorm)) if fast else ():
+            norm.kernels = cpu_kernels()
         layout = config.kv_layout or self.manifest.kv_layout
         graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
         graphs = graphs and self.tp.size == 1 and not mc.n_routed_experts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +52,19 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension. ``kernels`` (the engine's fast CPU path): the compiled
+    one-pass kernel (2 us vs 16 us per call of ``F.rms_norm`` on a bf16 decode row here)."""
+
+    kernels: ModuleType | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.device.type == "cpu":
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # one fused op; torch accumulates in fp32 for bf16 / fp16 inputs
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 

@@ -1,3 +1,5 @@
+// The engine's CPU kernels (loaded by torch_engine/kernels.py).
+//
 // Fused paged decode attention for CPUs: one query token per sequence, K/V read straight from the
 // pages (no gather into a new tensor), online softmax in fp32, any page layout (strides given).
 //
@@ -174,8 +176,49 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor pool, torch::Tensor page_tab
   return out;
 }
 
+// RMSNorm of each row of x [T, H] with weight [H], fp32 accumulation; one pass per row, no temporaries.
+template <typename T, typename W>
+void rms_norm_kernel(const T* x, const W* w, T* out, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * H;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + r * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm runs on the CPU");
+  TORCH_CHECK(x.size(-1) == weight.numel(), "weight must match the last dimension");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat) {
+    rms_norm_kernel<float, float>(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, H, e);
+  } else if (x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16) {
+    rms_norm_kernel<at::BFloat16, at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                                                out.data_ptr<at::BFloat16>(), rows, H, e);
+  } else if (x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kFloat) {
+    rms_norm_kernel<at::BFloat16, float>(x.data_ptr<at::BFloat16>(), weight.data_ptr<float>(),
+                                         out.data_ptr<at::BFloat16>(), rows, H, e);
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16 inputs");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)");
 }
