@@ -1,4 +1,5 @@
-"""Engine logits against HF transformers (fp32, same weights): prefill, then 10 decode steps."""
+"""Engine logits against HF transformers (fp32, same weights): prefill, then 10 decode steps, on every
+engine path (the fast CPU path too: packed oneDNN weights, fused attention and RMSNorm kernels)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 
 from tests.helpers import tiny_engine
 from torch_engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("engine_path")  # reference, fast (packed, fused kernels) and decode-graph paths
 
 PROMPT = [5, 17, 99, 3, 42, 7, 200, 11, 13, 77, 1, 250, 64]
 
