@@ -64,4 +64,4 @@ def test_auto_dtype_top1_on_every_step(smollm2_dir: Path, reference) -> None:
     assert max(gaps) <= TIE, f"the reference token fell {max(gaps):.3f} below the top-1 ({engine.kernel_path})"
     assert engine.page_stats().used == 0
     if engine.dtype == torch.bfloat16:  # a CPU with native bf16: the path really changed
-        assert "bfloat16/onednn-packed/fused-attention" in engine.kernel_path
+        assert "onednn-packed/fused-attention" in engine.kernel_path and "bfloat16" in engine.kernel_path

@@ -219,7 +219,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             graphs = "cuda-graphs" if self._runner.graphs is not None else "eager"
             return f"cuda/{dtype}/{graphs}"
-        gemm = "onednn-packed" if self.prepacked else "plain"
+        small = any(m.kernels is not None for m in self.model.modules() if isinstance(m, Linear))
+        gemm = ("gemm-bf16+onednn-packed" if small else "onednn-packed") if self.prepacked else "plain"
         attention = "fused-attention" if self.kv.kernels is not None else "torch-attention"
         return f"cpu/{dtype}/{gemm}/{attention}/{cpu_info().simd}"
 
@@ -228,13 +229,15 @@ class LLMEngine:
         return self._runner.graphs
 
     def _prepack(self) -> bool:
-        """Pack every GEMM weight once for oneDNN (CPU, fp32 / bf16); True if any was packed."""
+        """Prepare every GEMM weight once (oneDNN packing; the small-batch bf16 kernel where the CPU has
+        it) (CPU, fp32 / bf16); True if any was packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        kernels = cpu_kernels()
         for m in linears:
-            m.prepack()
-        return bool(linears)
+            m.prepare(kernels)
+        return any(m.packed is not None for m in linears)
 
     def queue_depths(self) -> tuple[int, int]:
         """(waiting, running) requests."""

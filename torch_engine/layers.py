@@ -14,31 +14,40 @@ from torch_engine.parallel import TPGroup
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with the CPU serving path.
+    """``nn.Linear`` with the CPU serving path (``prepare(kernels)``, fp32 or bf16 on a CPU).
 
-    ``prepack()`` (fp32 or bf16 on a CPU) reorders the weight once into oneDNN's blocked layout;
-    plain ``F.linear`` repacks it on every call. Measured here (SmolLM2's 121 GEMMs of one decode
-    step, one thread): fp32 45 / 65 / 77 / 106 ms plain at 1 / 4 / 8 / 16 rows against 39 / 30 /
-    42 / 57 ms packed; bf16 (AVX-512 BF16) 34 / 38 / 41 / 52 against 20 / 17 / 23 / 33 ms. One to
-    three rows are padded to four (oneDNN's four-row kernel beats its GEMV: 17 vs 20 ms). The
-    original weight stays (tied embeddings; nothing else reads the packed copy).
-    Unpacked fp32 on a CPU also pads 2- and 3-row inputs to 4 rows (MKL's 2-row GEMM cost 2.4x a
-    1-row GEMV, its 3-row one 3.7x, 4 rows 2.4x).
+    - The weight is reordered once into oneDNN's blocked layout; plain ``F.linear`` repacks it on
+      every call. Measured here (SmolLM2's 121 GEMMs of one decode step, one thread): fp32 45 / 65 /
+      77 / 106 ms plain at 1 / 4 / 8 / 16 rows against 39 / 30 / 42 / 57 ms packed; bf16 34 / 38 /
+      41 / 52 against 20 / 17 / 23 / 33 ms. One to three rows are padded to four (oneDNN's
+      four-row kernel beats its GEMV).
+    - bf16 with up to ``SMALL_ROWS`` rows on a CPU with AVX-512 BF16: the compiled ``gemm_bf16``
+      (one weight row streamed at a time, 24.8 GB/s on the lm_head against oneDNN's 17): 15 / 17 /
+      17 ms at 1 / 2 / 4 rows. More rows go to oneDNN (its horizontal reductions are amortised).
+    - Unpacked fp32 on a CPU pads 2- and 3-row inputs to 4 rows (MKL's 2-row GEMM cost 2.4x a
+      1-row GEMV, its 3-row one 3.7x, 4 rows 2.4x).
+
+    The original weight stays (tied embeddings, the small-batch kernel).
     """
 
+    SMALL_ROWS = 4
     packed: torch.Tensor | None = None
+    kernels: ModuleType | None = None
 
-    def prepack(self) -> None:
+    def prepare(self, kernels: ModuleType | None) -> None:
         w = self.weight
-        if (
-            w.device.type == "cpu"
-            and w.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-        ):
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)
+        small = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
+        if small and kernels is not None and kernels.gemm_bf16_supported():
+            self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
+        if self.kernels is not None and 0 < rows <= self.SMALL_ROWS and x.dtype == torch.bfloat16:
+            return self.kernels.gemm_bf16(x, self.weight, self.bias if self.bias is not None else _NO_BIAS)
         if self.packed is not None and x.dtype == self.weight.dtype:
             if rows in (1, 2, 3):
                 y = torch.ops.mkldnn._linear_pointwise(
@@ -49,6 +58,9 @@ class Linear(nn.Linear):
         if rows in (2, 3) and x.device.type == "cpu" and x.dtype == torch.float32:
             return F.linear(F.pad(x, (0, 0, 0, 4 - rows)), self.weight, self.bias)[:rows]
         return F.linear(x, self.weight, self.bias)
+
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 
 
 class RMSNorm(nn.Module):

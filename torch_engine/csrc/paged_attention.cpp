@@ -218,7 +218,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 }  // namespace
 
+void register_gemm(pybind11::module& m);  // gemm_bf16.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_gemm(m);
   m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)");
 }

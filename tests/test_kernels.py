@@ -1,0 +1,58 @@
+"""The compiled CPU kernels against PyTorch references (skipped, with the reason, where they cannot be built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_engine.attention import decode_attention
+from torch_engine.config import KVLayout
+from torch_engine.kernels import cpu_kernels
+from torch_engine.kv_cache import KVCacheSpec, PagedKVCache
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels could not be built here (no compiler)")
+
+
+@pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the vector path and the plain loops
+def test_paged_decode_attention_equals_gather_and_softmax(layout: KVLayout, dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(0)
+    kv = PagedKVCache(KVCacheSpec(1, 40, 16, layout, dtype, kv_heads=3, head_dim=head_dim))
+    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))
+    kv.kernels = KERNELS
+    table = torch.randint(0, 40, (5, 6))
+    lens = torch.tensor([1, 17, 50, 96, 33])  # a lone token, page edges, a full table
+    q = (3 * torch.randn(5, 9, head_dim)).to(dtype)
+    mask = (torch.arange(6 * 16)[None] < lens[:, None])[:, None, None, :]
+    want = decode_attention(q, *kv.gather_pages_kv(0, table), mask, 0.125)
+    got = kv.decode_attention(0, q, table, lens, 0.125)
+    assert got is not None and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(dtype: torch.dtype) -> None:
+    assert KERNELS is not None
+    x, w = torch.randn(7, 3, 96).to(dtype), (1 + 0.1 * torch.randn(96)).to(dtype)
+    want = F.rms_norm(x.float(), (96,), w.float(), 1e-5)
+    torch.testing.assert_close(
+        KERNELS.rms_norm(x, w, 1e-5).float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2
+    )
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.gemm_bf16_supported(), reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("k", [64, 96])  # K % 64 == 0 and the 32-wide tail
+def test_gemm_bf16_equals_linear(rows: int, k: int) -> None:
+    assert KERNELS is not None
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, k).bfloat16(), (0.1 * torch.randn(37, k)).bfloat16(), torch.randn(37).bfloat16()
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(KERNELS.gemm_bf16(x, w, b).float(), want, atol=2e-2, rtol=1e-2)
+    got = KERNELS.gemm_bf16(x, w, torch.empty(0, dtype=torch.bfloat16)).float()
+    torch.testing.assert_close(got, F.linear(x.float(), w.float()), atol=2e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="K % 32 == 0"):
+        KERNELS.gemm_bf16(x[:, :40].contiguous(), w[:, :40].contiguous(), b)
