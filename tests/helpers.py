@@ -13,6 +13,7 @@ from builders import BuildOptions, build_engine
 from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
+from torch_engine.tokenizer import Tokenizer
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -159,3 +160,12 @@ def tp_generate(
             engine.run_follower()
     finally:
         dist.destroy_process_group()
+
+
+def smollm2_prompts(tok: Tokenizer) -> list[list[int]]:
+    """The three prompts the SmolLM2 equality checks use (one through the chat template)."""
+    return [
+        tok.encode("The capital of France is"),
+        tok.encode("def fibonacci(n):"),
+        tok.encode("Explain in one sentence why the sky is blue.", chat=True),
+    ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import smollm2_prompts
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -29,11 +30,7 @@ def reference(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
     tok = engine.tokenizer
     assert tok is not None
-    prompts = [
-        tok.encode("The capital of France is"),
-        tok.encode("def fibonacci(n):"),
-        tok.encode("Explain in one sentence why the sky is blue.", chat=True),
-    ]
+    prompts = smollm2_prompts(tok)
     return prompts, engine.generate(prompts, GREEDY)
 
 

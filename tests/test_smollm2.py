@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import smollm2_prompts
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason
@@ -34,11 +35,7 @@ def engine(smollm2_dir: Path) -> LLMEngine:
 def test_greedy_equals_hf(engine: LLMEngine, hf_smollm2: torch.nn.Module) -> None:
     tok = engine.tokenizer
     assert tok is not None
-    prompts = [
-        tok.encode("The capital of France is"),
-        tok.encode("def fibonacci(n):"),
-        tok.encode("Explain in one sentence why the sky is blue.", chat=True),
-    ]
+    prompts = smollm2_prompts(tok)
     ours = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for prompt, got in zip(prompts, ours, strict=True):
         assert len(got) == 32

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.cpp", "gemm_bf16.cpp")]
 BUILD_ROOT = Path(__file__).resolve().parent.parent / "build" / "kernels"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]  # at::parallel_for is OpenMP
 
 
 def build_dir() -> Path:
@@ -43,6 +43,7 @@ def build(verbose: bool = False) -> ModuleType:
         sources=[str(p) for p in SOURCES],
         build_directory=str(out),
         extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
 
