@@ -139,9 +139,17 @@ def build_tiny(folder: Path, out: Path, tp: int = 1, page_size: int = 4) -> Path
 
 
 def tp_generate(
-    rank: int, world: int, init_file: str, engine_dir: str, prompts: list[list[int]], max_tokens: int, out: str
+    rank: int,
+    world: int,
+    init_file: str,
+    engine_dir: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    out: str,
+    fast_cpu: bool = False,
 ) -> None:
-    """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow."""
+    """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow
+    (``fast_cpu``: on the engine's fast CPU path)."""
     import json
 
     import torch.distributed as dist
@@ -149,6 +157,7 @@ def tp_generate(
     from torch_engine.sampling import SamplingParams
 
     torch.set_num_threads(1)
+    PATH.fast_cpu = fast_cpu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world))

@@ -22,11 +22,13 @@ PROMPTS = [prompt_of(23, 1), prompt_of(7, 2), prompt_of(41, 3)]
         ("qwen2", 4),  # 2 KV heads over 4 ranks: each KV head replicated on 2 ranks
     ],
 )
-def test_tp_equals_tp1(kind: str, tp: int, tiny_engine_dir, tmp_path) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+def test_tp_equals_tp1(kind: str, tp: int, fast: bool, tiny_engine_dir, tmp_path) -> None:
     ref = tiny_engine(tiny_engine_dir(kind)).generate(PROMPTS, SamplingParams(max_tokens=8))
     out = tmp_path / "out.json"
     engine_dir = str(tiny_engine_dir(kind, tp=tp))
-    mp.spawn(tp_generate, args=(tp, str(tmp_path / "rdzv"), engine_dir, PROMPTS, 8, str(out)), nprocs=tp, join=True)
+    args = (tp, str(tmp_path / "rdzv"), engine_dir, PROMPTS, 8, str(out), fast)
+    mp.spawn(tp_generate, args=args, nprocs=tp, join=True)
     result = json.loads(out.read_text())
     assert result["tokens"] == ref
     assert result["pages_used"] == 0
