@@ -10,7 +10,7 @@ set -eu
 URL=${1:-127.0.0.1:8001}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY="$ROOT/.venv/bin/python"
-ENGINE=$("$PY" -c "from builders.build import default_engine_dir; from builders import BuildOptions; from torch_engine.config import DType, Role; from pathlib import Path; from disagg.cli import DEFAULT_CACHE; print(default_engine_dir(DEFAULT_CACHE, 'smollm2', BuildOptions(role=Role.DECODE, dtype=DType.FLOAT32)))")
+ENGINE=$("$PY" -c "from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir; from builders import BuildOptions; from torch_engine.config import DType, Role; print(default_engine_dir(DEFAULT_ENGINE_CACHE, 'smollm2', BuildOptions(role=Role.DECODE, dtype=DType.FLOAT32)))")
 LIBS=$("$PY" -c "from pathlib import Path; from orchestrator.triton import TritonInstall, perf_analyzer_env; print(perf_analyzer_env(TritonInstall.find(), Path('$ROOT/runs/pa-libs'))['LD_LIBRARY_PATH'])")
 export LD_LIBRARY_PATH="$LIBS"
 export PATH="$ROOT/.venv/bin:$PATH"   # perf_analyzer
