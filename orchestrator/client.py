@@ -16,6 +16,8 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import InferInput
 
+from serving.names import Model, Tensor
+
 
 @dataclass(slots=True)
 class Completion:
@@ -49,11 +51,11 @@ def llm_inputs(
     prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, ignore_eos: bool = False
 ) -> list[InferInput]:
     return [
-        _tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
-        _tensor("stream", np.array([stream]), "BOOL"),
-        _tensor("chat", np.array([chat]), "BOOL"),
-        _tensor("ignore_eos", np.array([ignore_eos]), "BOOL"),
+        _tensor(Tensor.TEXT_INPUT, np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        _tensor(Tensor.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32"),
+        _tensor(Tensor.STREAM, np.array([stream]), "BOOL"),
+        _tensor(Tensor.CHAT, np.array([chat]), "BOOL"),
+        _tensor(Tensor.IGNORE_EOS, np.array([ignore_eos]), "BOOL"),
     ]
 
 
@@ -73,7 +75,7 @@ async def generate(
 ) -> Completion:
     """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival."""
     req = {
-        "model_name": "llm",
+        "model_name": Model.LLM.value,
         "inputs": llm_inputs(prompt, max_tokens, True, chat, ignore_eos),
         "request_id": request_id,
         "enable_empty_final_response": True,
@@ -83,7 +85,7 @@ async def generate(
         if error is not None:
             done.error = str(error)
             break
-        out = result.as_numpy("text_output")
+        out = result.as_numpy(Tensor.TEXT_OUTPUT)
         piece = b"".join(out.reshape(-1)).decode("utf-8") if out is not None else ""
         if piece:
             done.pieces.append(piece)
@@ -105,17 +107,17 @@ async def generate_ids(
 ) -> Completion:
     """All generated token ids of one request to the ``decode`` model (one response: stream=false)."""
     inputs = [
-        _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
-        _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
-        _tensor("stream", np.array([False]), "BOOL"),
+        _tensor(Tensor.INPUT_IDS, np.array(prompt_ids, dtype=np.int32), "INT32"),
+        _tensor(Tensor.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32"),
+        _tensor(Tensor.STREAM, np.array([False]), "BOOL"),
     ]
-    req = {"model_name": "decode", "inputs": inputs, "request_id": request_id}
+    req = {"model_name": Model.DECODE.value, "inputs": inputs, "request_id": request_id}
     done = Completion(request_id, time.time())
     async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
         if error is not None:
             done.error = str(error)
         else:
-            done.token_ids = [int(t) for t in result.as_numpy("output_ids").reshape(-1)]
+            done.token_ids = [int(t) for t in result.as_numpy(Tensor.OUTPUT_IDS).reshape(-1)]
             done.times.append(time.time())
         break
     return done
