@@ -89,6 +89,9 @@ class Point:
     aggregate_over_batch1: float = 0.0
     hf_prefill_tok_s: float | None = None
     hf_decode_tok_s: float | None = None
+    hf_decode_step_ms: float | None = None
+    hf_step_over_floor: float | None = None
+    hf_aggregate_over_batch1: float | None = None
     decode_over_hf: float | None = None
 
 
@@ -101,6 +104,7 @@ class PeerPoint:
     decode_tok_s: float
     decode_step_ms: float
     engine_decode_over_peer: float = 0.0
+    step_over_floor: float = 0.0  # the batch-1 floor of the same thread count
 
 
 @dataclass(slots=True)
@@ -284,11 +288,15 @@ def measure(opts: Options) -> Report:
             floor_ms = 1e3 * (wbytes + kv_token_bytes * context * batch) / (tr.read_GBps * 1e9)
             tr.points[batch] = _point(engine, hf, opts, batch, floor_ms)
             if 1 in tr.points:
-                b1 = tr.points[1].engine_decode_tok_s
-                tr.points[batch].aggregate_over_batch1 = tr.points[batch].engine_decode_tok_s / b1
+                p, one = tr.points[batch], tr.points[1]
+                p.aggregate_over_batch1 = p.engine_decode_tok_s / one.engine_decode_tok_s
+                if p.hf_decode_tok_s is not None and one.hf_decode_tok_s is not None:
+                    p.hf_aggregate_over_batch1 = p.hf_decode_tok_s / one.hf_decode_tok_s
             print(_line(threads, batch, tr.points[batch]), flush=True)
         if opts.llamacpp and opts.device == "cpu" and 1 in tr.points:
-            tr.llamacpp = llamacpp_point(engine, opts, threads, tr.points[1].engine_decode_tok_s)
+            peer = llamacpp_point(engine, opts, threads, tr.points[1].engine_decode_tok_s)
+            if peer is not None:
+                tr.llamacpp = replace(peer, step_over_floor=peer.decode_step_ms / tr.points[1].floor_ms)
     report.goals = goals(report)
     print("goals: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report.goals.items()))
     return report
@@ -322,6 +330,8 @@ def _point(engine: LLMEngine, hf: torch.nn.Module | None, opts: Options, batch: 
         point.hf_prefill_tok_s = batch * opts.prompt_len / h_pre
         point.hf_decode_tok_s = batch * opts.decode_tokens / h_dec
         point.decode_over_hf = point.engine_decode_tok_s / point.hf_decode_tok_s
+        point.hf_decode_step_ms = 1e3 * h_dec / opts.decode_tokens
+        point.hf_step_over_floor = point.hf_decode_step_ms / floor_ms
     return point
 
 
