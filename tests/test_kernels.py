@@ -44,15 +44,16 @@ def test_rms_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(KERNELS is None or not KERNELS.gemm_bf16_supported(), reason="this CPU has no AVX-512 BF16")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
-@pytest.mark.parametrize("k", [64, 96])  # K % 64 == 0 and the 32-wide tail
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16])
+@pytest.mark.parametrize("k", [64, 6])  # unrolled pairs and the tail
 def test_gemm_bf16_equals_linear(rows: int, k: int) -> None:
     assert KERNELS is not None
     torch.manual_seed(rows)
-    x, w, b = torch.randn(rows, k).bfloat16(), (0.1 * torch.randn(37, k)).bfloat16(), torch.randn(37).bfloat16()
+    x, w, b = torch.randn(rows, k).bfloat16(), (0.1 * torch.randn(48, k)).bfloat16(), torch.randn(48).bfloat16()
+    packed = w.view(3, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     want = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(KERNELS.gemm_bf16(x, w, b).float(), want, atol=2e-2, rtol=1e-2)
-    got = KERNELS.gemm_bf16(x, w, torch.empty(0, dtype=torch.bfloat16)).float()
+    torch.testing.assert_close(KERNELS.gemm_bf16(x, packed, b, 48).float(), want, atol=2e-2, rtol=1e-2)
+    got = KERNELS.gemm_bf16(x, packed, torch.empty(0, dtype=torch.bfloat16), 48).float()
     torch.testing.assert_close(got, F.linear(x.float(), w.float()), atol=2e-2, rtol=1e-2)
-    with pytest.raises(RuntimeError, match="K % 32 == 0"):
-        KERNELS.gemm_bf16(x[:, :40].contiguous(), w[:, :40].contiguous(), b)
+    with pytest.raises(RuntimeError, match="N % 16 == 0"):
+        KERNELS.gemm_bf16(x, packed, b, 40)

@@ -21,17 +21,18 @@ class Linear(nn.Linear):
       77 / 106 ms plain at 1 / 4 / 8 / 16 rows against 39 / 30 / 42 / 57 ms packed; bf16 34 / 38 /
       41 / 52 against 20 / 17 / 23 / 33 ms. One to three rows are padded to four (oneDNN's
       four-row kernel beats its GEMV).
-    - bf16 with up to ``SMALL_ROWS`` rows on a CPU with AVX-512 BF16: the compiled ``gemm_bf16``
-      (one weight row streamed at a time, 24.8 GB/s on the lm_head against oneDNN's 17): 15 / 17 /
-      17 ms at 1 / 2 / 4 rows. More rows go to oneDNN (its horizontal reductions are amortised).
+    - bf16 with up to ``SMALL_ROWS`` rows on a CPU with AVX-512 BF16: the compiled ``gemm_bf16`` over
+      a copy packed for ``vdpbf16ps`` (``torch_engine/csrc/gemm_bf16.cpp``): 10 / 10 / 11 / 22 ms at
+      1 / 2 / 4 / 8 rows against oneDNN's 18 / 19 / 19 / 24. More rows go to oneDNN.
     - Unpacked fp32 on a CPU pads 2- and 3-row inputs to 4 rows (MKL's 2-row GEMM cost 2.4x a
       1-row GEMV, its 3-row one 3.7x, 4 rows 2.4x).
 
-    The original weight stays (tied embeddings, the small-batch kernel).
+    The original weight stays (tied embeddings).
     """
 
-    SMALL_ROWS = 4
-    packed: torch.Tensor | None = None
+    SMALL_ROWS = 8
+    packed: torch.Tensor | None = None  # oneDNN's layout
+    vnni: torch.Tensor | None = None  # [N / 16, K / 2, 16, 2] for gemm_bf16
     kernels: ModuleType | None = None
 
     def prepare(self, kernels: ModuleType | None) -> None:
@@ -40,14 +41,17 @@ class Linear(nn.Linear):
             return
         if torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)
-        small = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
-        if small and kernels is not None and kernels.gemm_bf16_supported():
+        n, k = w.shape
+        fits = w.dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0
+        if fits and kernels is not None and kernels.gemm_bf16_supported():
+            self.vnni = w.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
             self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
         if self.kernels is not None and 0 < rows <= self.SMALL_ROWS and x.dtype == torch.bfloat16:
-            return self.kernels.gemm_bf16(x, self.weight, self.bias if self.bias is not None else _NO_BIAS)
+            bias = self.bias if self.bias is not None else _NO_BIAS
+            return self.kernels.gemm_bf16(x, self.vnni, bias, self.out_features)
         if self.packed is not None and x.dtype == self.weight.dtype:
             if rows in (1, 2, 3):
                 y = torch.ops.mkldnn._linear_pointwise(
