@@ -167,15 +167,15 @@ def test_generated_mpirun_script_runs_on_its_own(tiny_engine_dir, tmp_path) -> N
     cfg = tiny_cfg(tmp_path, tiny_engine_dir, "llama", 1, 1)
     launch = Launch(cfg)
     prepared = launch.prepare(progress=False)
-    proc = subprocess.Popen(
-        ["sh", str(prepared.script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    log = (launch.run_dir / "mpirun.log").open("wb")  # what failure_report() shows if start-up fails
+    proc = subprocess.Popen(["sh", str(prepared.script)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     launch.proc = proc  # adopt it, so that the launcher's readiness wait and shutdown apply
     try:
         launch.wait_ready()
         got = run_ids(grpc_url(launch), PROMPTS[:3], 6)
     finally:
         launch.stop()
+        log.close()
     assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), PROMPTS[:3], 6)
     assert run_processes(launch.run_id) == {}
 
