@@ -76,5 +76,3 @@ class Caller(Protocol):
 
 
 CallerFactory = Callable[[PrefillGroup, float, "queue.Queue[Reply]"], Caller]
-
-

@@ -161,9 +161,13 @@ def test_decode_role_streams_the_engines_tokens(backend, tiny_engine_dir, tmp_pa
                           "stream": np.array([False])}, request_id="same")  # fmt: skip
         again = FakeRequest(dict(ok.inputs), request_id="same")  # a client may reuse an id
         bad = FakeRequest({"input_ids": np.array(prompt, np.int32), "max_tokens": np.array([0], np.int32)})
-        decode.execute([ok, again, bad])
-        for r in (ok, again, bad):
+        no_ids = FakeRequest({"max_tokens": np.array([6], np.int32)})
+        decode.execute([ok, again, bad, no_ids])
+        for r in (ok, again, bad, no_ids):
             assert r.sender.done.wait(30)
+        (response, _), = no_ids.sender.sent  # fmt: skip
+        assert response is not None and response.error is not None
+        assert response.error.message == "input input_ids is missing"
         for r in (ok, again):
             (response, flags), = r.sender.sent  # fmt: skip
             assert response is not None and flags == FINAL and response.error is None

@@ -21,7 +21,6 @@ without MoE routing (data-dependent shapes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +169,3 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             slot.out = self._forward(slot, self.progress)
         slot.graph = graph
-
-
-GraphFactory = Callable[[], DecodeGraphs]

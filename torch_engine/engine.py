@@ -99,9 +99,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model = load_weights(self.manifest, config, self.tp, self.device, self.dtype)
         fast = (config.fast_cpu or config.dtype == "auto") and self.device.type == "cpu"
-        self.prepacked = fast and self._prepack()
-        for norm in (m for m in self.model.modules() if isinstance(m, RMSNorm)) if fast else ():
-            norm.kernels = cpu_kernels()
+        self.prepacked = fast and self._prepare_cpu_path()
         layout = config.kv_layout or self.manifest.kv_layout
         graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
         graphs = graphs and self.tp.size == 1 and not mc.n_routed_experts
@@ -228,15 +226,18 @@ class LLMEngine:
         """The decode-graph buckets (``replays``, ``captured``), or None when this engine runs eagerly."""
         return self._runner.graphs
 
-    def _prepack(self) -> bool:
-        """Prepare every GEMM weight once (oneDNN packing; the small-batch bf16 kernel where the CPU has
-        it) (CPU, fp32 / bf16); True if any was packed."""
+    def _prepare_cpu_path(self) -> bool:
+        """The fast CPU path (CPU, fp32 / bf16): every GEMM weight prepared once (oneDNN packing, and the
+        small-batch bf16 kernel's copy where the CPU has it), RMSNorm on the compiled kernel. True if
+        any weight was packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
-        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         kernels = cpu_kernels()
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         for m in linears:
             m.prepare(kernels)
+        for norm in (m for m in self.model.modules() if isinstance(m, RMSNorm)):
+            norm.kernels = kernels
         return any(m.packed is not None for m in linears)
 
     def queue_depths(self) -> tuple[int, int]:
@@ -293,9 +294,6 @@ class LLMEngine:
     def execute_step(self, inputs: StepInputs) -> None:
         """TP follower: run one broadcast step (the leader's ``TickHook`` wrapped it)."""
         self._runner.execute(inputs)
-
-    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._runner.logits(hidden)
 
     def shutdown(self) -> None:
         """Leader: release the TP followers from ``run_follower``."""

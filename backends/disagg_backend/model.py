@@ -150,10 +150,10 @@ class Decode(_Role):
         get = _getter(request)
         try:
             params, stream = parse_sampling(get, self.node.limits.max_tokens)
-        except InvalidRequestError as exc:
+            ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
+        except InvalidRequestError as exc:  # answered on this request's stream; the others go on
             sender.send(_error(str(exc)), flags=FINAL)
             return
-        ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
         rid = f"{request.request_id() or 'triton'}#{next(self._ids)}"  # unique for the life of the node
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
