@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from builders.build import DEFAULT_ENGINE_CACHE
+from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
 from serving.node_config import RequestLimits, RequestTimeouts
 from torch_engine.config import DType, KVLayout, Role, SchedulerConfig
@@ -76,6 +77,7 @@ class ClusterConfig(_Frozen):
     timeouts: TimeoutSpec = TimeoutSpec()
     transport: TransportSpec = TransportSpec()
     ports: PortSpec = PortSpec()
+    router: RouterSpec = RouterSpec()
     bind: str = Field(default="127.0.0.1", description="address every server binds to")
     threads_per_rank: int = Field(default=1, ge=1, description="torch threads of each rank")
     hosts: list[str] = Field(default_factory=list, description="hostfile lines (e.g. 'node1 slots=4'); empty: local")
@@ -96,6 +98,8 @@ class ClusterConfig(_Frozen):
         ports = [self.ports.http, self.ports.grpc, self.ports.metrics]
         if len(set(ports)) != 3:
             raise ValueError(f"ports must differ, got http/grpc/metrics {ports}")
+        if self.router.enabled and self.router.port in ports:
+            raise ValueError(f"router.port {self.router.port} is also one of the Triton ports {ports}")
         if self.scheduler.max_prefill_chunk > self.scheduler.max_num_batched_tokens:
             raise ValueError("scheduler.max_prefill_chunk must not exceed scheduler.max_num_batched_tokens")
         return self

@@ -26,7 +26,9 @@ from pathlib import Path
 
 from builders import BuildOptions, build_engine
 from builders.build import default_engine_dir
+from frontend.config import GroupEndpoint
 from orchestrator.cluster import ClusterConfig, RankSlot
+from orchestrator.router_process import RouterProcess, render
 from orchestrator.triton import (
     NODE_CONFIG_ENV,
     REPO_ROOT,
@@ -63,9 +65,10 @@ class Prepared:
     leaders: list[Leader]
     slots: list[RankSlot]
     run_dir: Path
+    router_url: str | None = None
 
     def endpoints(self) -> dict[str, object]:
-        out: dict[str, object] = {}
+        out: dict[str, object] = {"router": self.router_url} if self.router_url else {}
         for ld in self.leaders:
             role = "prefill" if ld.slot.role is Role.PREFILL else "decode"
             out[f"{role}{ld.slot.group}"] = {
@@ -116,6 +119,7 @@ class Launch:
         self.proc: subprocess.Popen[bytes] | None = None
         self.prepared: Prepared | None = None
         self._watched: dict[int, int] = {}  # pid -> MPI rank
+        self.router: RouterProcess | None = None
 
     # -- rendering -----------------------------------------------------------------------
     def prepare(self, install: TritonInstall | None = None, progress: bool = True) -> Prepared:
@@ -158,10 +162,27 @@ class Launch:
             encoding="utf-8",
         )
         script.chmod(0o755)
-        self.prepared = Prepared(script, command, leaders, slots, self.run_dir)
+        self.router = self._router(leaders, dirs[cfg.serving_role()])
+        router_url = f"{self.router.url}/v1" if self.router is not None else None
+        self.prepared = Prepared(script, command, leaders, slots, self.run_dir, router_url)
         endpoints = self.prepared.endpoints() | {"bind": self.cfg.bind}
         (self.run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2), encoding="utf-8")
         return self.prepared
+
+    def _router(self, leaders: list[Leader], engine_dir: Path) -> RouterProcess | None:
+        """The router over every decode group (needs the serving engine's tokenizer; none without one)."""
+        cfg = self.cfg
+        if not cfg.router.enabled or not EngineManifest.load(engine_dir).has_tokenizer:
+            return None
+        groups = [
+            GroupEndpoint(name=ld.slot.name.split(".")[0], grpc_url=f"{cfg.bind}:{ld.ports.grpc}")
+            for ld in leaders
+            if ld.slot.role is not Role.PREFILL
+        ]
+        path = self.run_dir / "router.yaml"
+        router = render(cfg.router, cfg.bind, cfg.model, engine_dir, groups, cfg.limits.max_tokens, path)
+        env = {RUN_ID_ENV: self.run_id, "OMP_NUM_THREADS": "1"}
+        return RouterProcess(path, router, self.run_dir / "logs" / "router.log", env)
 
     def _environment(self, install: TritonInstall) -> dict[str, str]:
         """What every rank needs: the Triton stub's environment, and this run's id (to find its processes)."""
@@ -219,6 +240,8 @@ class Launch:
             for name, port in (("http", ld.ports.http), ("grpc", ld.ports.grpc), ("metrics", ld.ports.metrics)):
                 if not self.cfg.hosts and not port_free(self.cfg.bind, port):
                     raise LaunchError(f"{ld.slot.describe()}: {name} port {self.cfg.bind}:{port} is already in use")
+        if self.router is not None and not port_free(self.cfg.bind, self.cfg.router.port):
+            raise LaunchError(f"the router's port {self.cfg.bind}:{self.cfg.router.port} is already in use")
         log = (self.run_dir / "mpirun.log").open("wb")
         self.proc = subprocess.Popen(
             ["sh", str(prepared.script)],
@@ -227,6 +250,8 @@ class Launch:
             start_new_session=True,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl before exec; mpirun dies with the launcher
         )
+        if self.router is not None:
+            self.router.start(_die_with_parent)
 
     def wait_ready(self) -> None:
         """Until every leader is ready; a rank that dies first, or the startup timeout, is an error."""
@@ -241,12 +266,27 @@ class Launch:
                 raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{self.failure_report()}")
             pending = [ld for ld in pending if not http_ready(self.cfg.bind, ld.ports.http)]
             time.sleep(0.25)
+        self._wait_router(deadline)
         self._watched = run_processes(self.run_id)
+
+    def _wait_router(self, deadline: float) -> None:
+        router = self.router
+        while router is not None and not router.ready():
+            if router.exited() is not None:
+                raise LaunchError(f"the router exited during start-up:\n{router.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"the router is not ready after {self.cfg.timeouts.startup_s:.0f} s")
+            time.sleep(0.25)
 
     def supervise(self, poll_s: float = 0.5) -> str | None:
         """Block until a watched process dies (returns the message naming its rank) or ``stop``."""
         assert self.proc is not None
         while self.proc is not None:
+            if self.router is not None and (code := self.router.exited()) is not None:
+                message = f"deployment stopped: the router exited with code {code}\n{self.router.log_tail()}"
+                self.stop()
+                return message
             dead = self.dead_ranks()
             if dead or self.proc.poll() is not None:
                 message = self._death_message(dead)
@@ -276,9 +316,11 @@ class Launch:
 
     def stop(self) -> int | None:
         """SIGTERM to mpirun (it takes its ranks down), then SIGKILL to any process of this run left."""
+        grace = self.cfg.timeouts.shutdown_s
+        if self.router is not None:
+            self.router.stop(grace)
         if self.proc is None:
             return None
-        grace = self.cfg.timeouts.shutdown_s
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

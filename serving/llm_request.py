@@ -2,8 +2,9 @@
 
 Inputs: ``text_input`` (required), ``chat`` (ours: apply the chat template) for preprocessing;
 ``max_tokens``, ``stream``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``,
-``stop_words``, ``end_id``, ``beam_width`` for decode. Every problem is an
-``InvalidRequestError`` naming the input.
+``stop_words``, ``end_id``, ``beam_width``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``return_log_probs`` (+ ``top_logprobs``), ``num_return_sequences`` (1)
+for decode. Every problem is an ``InvalidRequestError`` naming the input.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ _KINDS = {
     Tensor.CHAT: "b",
     Tensor.IGNORE_EOS: "b",
     Tensor.EXCLUDE_INPUT_IN_OUTPUT: "b",
+    Tensor.REPETITION_PENALTY: "f",
+    Tensor.PRESENCE_PENALTY: "f",
+    Tensor.FREQUENCY_PENALTY: "f",
+    Tensor.RETURN_LOG_PROBS: "b",
+    Tensor.TOP_LOGPROBS: "i",
+    Tensor.NUM_RETURN_SEQUENCES: "i",
 }
 
 
@@ -93,6 +100,9 @@ def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, 
     top_k = _scalar(get, Tensor.TOP_K)
     top_p = _scalar(get, Tensor.TOP_P)
     seed = _scalar(get, Tensor.RANDOM_SEED)
+    sequences = _scalar(get, Tensor.NUM_RETURN_SEQUENCES)
+    if sequences is not None and sequences != 1:
+        raise InvalidRequestError(f"num_return_sequences {sequences} is not supported (only 1)")
     params = SamplingParams(
         max_tokens=int(max_tokens) if max_tokens is not None else 64,  # type: ignore[call-overload]
         temperature=float(temperature) if temperature is not None else 0.0,  # type: ignore[arg-type]
@@ -102,6 +112,25 @@ def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, 
         stop_token_ids=(int(end_id),) if end_id is not None else (),  # type: ignore[call-overload]
         stop=parse_stop_words(get),
         ignore_eos=bool(_scalar(get, Tensor.IGNORE_EOS) or False),
+        repetition_penalty=_float(get, Tensor.REPETITION_PENALTY, 1.0),
+        presence_penalty=_float(get, Tensor.PRESENCE_PENALTY, 0.0),
+        frequency_penalty=_float(get, Tensor.FREQUENCY_PENALTY, 0.0),
+        logprobs=_logprobs(get),
     )
     params.validate()
     return params, bool(_scalar(get, Tensor.STREAM) or False)
+
+
+def _float(get: Getter, name: Tensor, default: float) -> float:
+    value = _scalar(get, name)
+    return float(value) if value is not None else default  # type: ignore[arg-type]
+
+
+def _logprobs(get: Getter) -> int | None:
+    """``return_log_probs`` (TensorRT-LLM's input) with ``top_logprobs`` alternatives per token (ours)."""
+    top = _scalar(get, Tensor.TOP_LOGPROBS)
+    if not _scalar(get, Tensor.RETURN_LOG_PROBS):
+        if top:
+            raise InvalidRequestError("top_logprobs needs return_log_probs=true")
+        return None
+    return int(top) if top is not None else 0  # type: ignore[call-overload]

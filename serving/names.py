@@ -48,7 +48,18 @@ class Tensor(enum.StrEnum):
     END_ID = "end_id"
     BEAM_WIDTH = "beam_width"
     IGNORE_EOS = "ignore_eos"
+    REPETITION_PENALTY = "repetition_penalty"
+    PRESENCE_PENALTY = "presence_penalty"
+    FREQUENCY_PENALTY = "frequency_penalty"
+    RETURN_LOG_PROBS = "return_log_probs"
+    TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
+    NUM_RETURN_SEQUENCES = "num_return_sequences"
     OUTPUT_IDS = "output_ids"
+    SEQUENCE_LENGTH = "sequence_length"  # tokens generated so far
+    FINISH_REASON = "finish_reason"  # ours: "" until the last response, then "stop" or "length"
+    OUTPUT_LOG_PROBS = "output_log_probs"  # of the response's new tokens
+    TOP_LOGPROB_IDS = "top_logprob_ids"  # [new tokens, top_logprobs]
+    TOP_LOGPROB_VALUES = "top_logprob_values"
     TEXT_SKIP = "text_skip"
     STOP_WORDS_OUT = "stop_words_out"
     # postprocessing / llm

@@ -24,6 +24,7 @@ def cluster(tmp: Path, **fields: object) -> ClusterConfig:
         "run_dir": str(tmp / "run"),
         "run_dtype": "float32",  # outputs are compared with fp32 engines run in-process
         "timeouts": {"startup_s": 240, "kv_transfer_s": 60, "shutdown_s": 20},
+        "router": {"enabled": False},  # tests of the router turn it on (tests/e2e/test_router.py)
     }
     return ClusterConfig.parse(base | fields)
 

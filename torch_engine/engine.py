@@ -30,7 +30,15 @@ from torch_engine.models import build_model, cache_spec
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
-from torch_engine.sampling import InvalidRequestError, SamplerState, SamplingParams, sample
+from torch_engine.sampling import (
+    InvalidRequestError,
+    SamplerState,
+    SamplingParams,
+    TokenLogprobs,
+    apply_penalties,
+    logprobs_of,
+    sample,
+)
 from torch_engine.scheduler import Scheduler, SchedulerOutput
 from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -385,10 +393,18 @@ class LLMEngine:
         rows = [c for c in sched.chunks if c.samples or (c.completes and c.request.want_last_hidden)]
         logits = self._runner.logits(hidden) if rows else hidden
         sampling = [i for i, c in enumerate(rows) if c.samples]
-        tokens = sample(
-            logits[sampling], [rows[i].request.params for i in sampling], [rows[i].request.sampler for i in sampling]
-        )
-        by_req = {id(rows[i].request): t for i, t in zip(sampling, tokens, strict=True)}
+        reqs = [rows[i].request for i in sampling]
+        params = [r.params for r in reqs]
+        chosen = logits[sampling].float()
+        if any(p.penalized for p in params):
+            apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
+        tokens = sample(chosen, params, [r.sampler for r in reqs])
+        by_req = {id(r): t for r, t in zip(reqs, tokens, strict=True)}
+        wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
+        logprobs: dict[int, TokenLogprobs] = {}
+        if wanted:
+            found = logprobs_of(chosen[wanted], [tokens[j] for j in wanted], [params[j].logprobs or 0 for j in wanted])
+            logprobs = {id(reqs[j]): lp for j, lp in zip(wanted, found, strict=True)}
         for i, c in enumerate(rows):
             if c.request.want_last_hidden:
                 c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
@@ -402,10 +418,10 @@ class LLMEngine:
                     RequestOutput(request_id=req.request_id, finished=True, finish_reason=FinishReason.PREFILLED)
                 )
             elif c.samples:
-                outputs.append(self._append_token(req, by_req[id(req)]))
+                outputs.append(self._append_token(req, by_req[id(req)], logprobs.get(id(req))))
         return outputs
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req.output_ids.append(token)
         p = req.params
         reason: FinishReason | None = None
@@ -433,4 +449,5 @@ class LLMEngine:
             finish_reason=reason,
             text=delta,
             prompt_tokens=len(req.prompt_ids),
+            logprobs=(logprobs,) if logprobs is not None else (),
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_engine.sampling import SamplerState, SamplingParams
+from torch_engine.sampling import SamplerState, SamplingParams, TokenLogprobs
 
 
 class RequestState(enum.IntEnum):
@@ -101,3 +101,4 @@ class RequestOutput:
     prompt_tokens: int = 0
     text_window: tuple[int, ...] = ()  # tokens whose decoding, past ``text_skip`` of them, is ``text``
     text_skip: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of ``new_token_ids``, when the request asked for them

@@ -21,6 +21,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages every token already in the prompt or output (HF / TRT-LLM)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted per occurrence of each token already generated (OpenAI)
+    logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the top k alternatives
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -35,10 +39,33 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and its top alternatives (most likely first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -52,6 +79,45 @@ class SamplerState:
         g = torch.Generator()
         g.manual_seed(seed)
         return cls(g)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]
+) -> torch.Tensor:
+    """Penalise ``logits`` (``[S, V]``, fp32, in place) by each row's (prompt, output) history.
+
+    Repetition (HF ``RepetitionPenaltyLogitsProcessor``, TensorRT-LLM): each token seen in the prompt or
+    output has its logit divided by the penalty when positive, multiplied when negative. Presence and
+    frequency (OpenAI): each token generated so far loses ``presence + frequency * count``.
+    """
+    for i, (p, (prompt, output)) in enumerate(zip(params, histories, strict=True)):
+        if not p.penalized:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=row.device)
+            values = row[seen]
+            row[seen] = torch.where(values < 0, values * p.repetition_penalty, values / p.repetition_penalty)
+        if output and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=row.device), return_counts=True)
+            row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Log-softmax of each row (``[S, V]``, after penalties, before temperature / top-k / top-p) at its token."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for i, (token, k) in enumerate(zip(tokens, ks, strict=True)):
+        top = torch.topk(logp[i], k) if k else None
+        out.append(
+            TokenLogprobs(
+                float(logp[i, token]),
+                tuple(int(t) for t in top.indices.tolist()) if top is not None else (),
+                tuple(float(v) for v in top.values.tolist()) if top is not None else (),
+            )
+        )
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:

@@ -17,13 +17,17 @@ class Tokenizer:
 
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
         if chat:
-            if not self.has_chat_template:
-                raise ValueError("this model has no chat template")
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            assert isinstance(rendered, str)
-            return list(self.hf.encode(rendered, add_special_tokens=False))
+            return self.encode_chat(messages)
         return list(self.hf.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation (``role`` / ``content`` turns) through the model's chat template, ready for the reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template")
+        rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert isinstance(rendered, str)
+        return list(self.hf.encode(rendered, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         text = self.hf.decode(ids, skip_special_tokens=True)

@@ -37,7 +37,7 @@ from serving.node_config import NODE_CONFIG_ENV, NodeConfig
 from serving.trace import Tracer
 from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
-from torch_engine.sampling import InvalidRequestError
+from torch_engine.sampling import InvalidRequestError, TokenLogprobs
 from torch_engine.tokenizer import Tokenizer, window_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -103,7 +103,10 @@ class Postprocessing(_Role):
         text = window_text(self.tokenizer, window, int(_required(get, Tensor.TEXT_SKIP).reshape(-1)[0]))
         for stop in parse_stop_words(get):  # a stop string inside this piece ends the text there
             text = text.split(stop, 1)[0]
-        return pb_utils.InferenceResponse(output_tensors=[_strings(Tensor.TEXT_OUTPUT, text)])
+        logprobs = get(Tensor.OUTPUT_LOG_PROBS)  # passed through, as TensorRT-LLM's postprocessing does
+        logprobs = np.zeros(0, np.float32) if logprobs is None else logprobs.astype(np.float32).reshape(-1)
+        tensors = [_strings(Tensor.TEXT_OUTPUT, text), pb_utils.Tensor(Tensor.OUTPUT_LOG_PROBS, logprobs)]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 class Prefill(_Role):
@@ -248,6 +251,8 @@ class _Responder:
         self.loop = loop
         self.metrics = metrics
         self.all_ids: list[int] = []
+        self.generated = 0
+        self.logprobs: list[TokenLogprobs] = []  # of the tokens generated since the last response
         self.last = time.monotonic()
         self.first = True
 
@@ -265,14 +270,29 @@ class _Responder:
             self.sender.send(flags=FINAL)
             return
         self._observe(out)
+        self.generated += len(out.new_token_ids)
+        self.logprobs.extend(out.logprobs)
         if self.stream:
             if out.text or out.finished:
-                response = _window_response(out.text_window, out.text_skip, self.stop)
-                self.sender.send(response, flags=FINAL if out.finished else 0)
+                self._send(out.text_window, out.text_skip, out)
         else:
             self.all_ids.extend(out.new_token_ids)
             if out.finished:
-                self.sender.send(_window_response(tuple(self.all_ids), 0, self.stop), flags=FINAL)
+                self._send(tuple(self.all_ids), 0, out)
+
+    def _send(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> None:
+        reason = "" if not out.finished else "length" if out.finish_reason is FinishReason.LENGTH else "stop"
+        tensors = [
+            pb_utils.Tensor(Tensor.OUTPUT_IDS, np.array(window, dtype=np.int32)),
+            pb_utils.Tensor(Tensor.TEXT_SKIP, np.array([skip], dtype=np.int32)),
+            pb_utils.Tensor(Tensor.SEQUENCE_LENGTH, np.array([self.generated], dtype=np.int32)),
+            _strings(Tensor.FINISH_REASON, reason),
+            *_logprob_tensors(self.logprobs),
+        ]
+        if self.stop:
+            tensors.append(_strings(Tensor.STOP_WORDS_OUT, *self.stop))
+        self.logprobs = []
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
 
     def _observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -289,14 +309,19 @@ class _Responder:
             self.metrics.prompt_tokens.increment(out.prompt_tokens)
 
 
-def _window_response(window: tuple[int, ...], skip: int, stop: tuple[str, ...]) -> Response:
-    tensors = [
-        pb_utils.Tensor(Tensor.OUTPUT_IDS, np.array(window, dtype=np.int32)),
-        pb_utils.Tensor(Tensor.TEXT_SKIP, np.array([skip], dtype=np.int32)),
+def _logprob_tensors(logprobs: list[TokenLogprobs]) -> list[Any]:
+    """``output_log_probs`` of the new tokens, and their top alternatives (``[tokens, k]``)."""
+    k = len(logprobs[0].top_ids) if logprobs else 0
+    return [
+        pb_utils.Tensor(Tensor.OUTPUT_LOG_PROBS, np.array([lp.logprob for lp in logprobs], dtype=np.float32)),
+        pb_utils.Tensor(
+            Tensor.TOP_LOGPROB_IDS, np.array([lp.top_ids for lp in logprobs], dtype=np.int32).reshape(len(logprobs), k)
+        ),
+        pb_utils.Tensor(
+            Tensor.TOP_LOGPROB_VALUES,
+            np.array([lp.top_logprobs for lp in logprobs], dtype=np.float32).reshape(len(logprobs), k),
+        ),
     ]
-    if stop:
-        tensors.append(_strings(Tensor.STOP_WORDS_OUT, *stop))
-    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 def _strings(name: str, *values: str) -> Any:

@@ -1,0 +1,47 @@
+"""What the router runs with: loaded once from the YAML file the launcher renders, passed down.
+
+``RouterSpec`` is the part a cluster config declares (``router:``); ``RouterConfig`` adds what the
+launcher knows at render time (the decode groups' gRPC endpoints, the engine with the tokenizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RouterSpec(_Frozen):
+    enabled: bool = Field(default=True, description="start the OpenAI-compatible router with the deployment")
+    port: int = Field(default=8080, ge=1, le=65535, description="the router's HTTP port (on the deployment's bind)")
+    api_key: str | None = Field(default=None, description="when set, every route but /health needs 'Bearer <key>'")
+    served_model_name: str | None = Field(default=None, description="the model id clients send; None: the model's name")
+    probe_interval_s: float = Field(default=1.0, gt=0, description="how often each decode group's readiness is probed")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="one request, first byte to last token")
+    max_tokens_default: int = Field(default=256, ge=1, description="max_tokens when a request sets none")
+
+
+class GroupEndpoint(_Frozen):
+    name: str
+    grpc_url: str
+
+
+class RouterConfig(_Frozen):
+    spec: RouterSpec = RouterSpec()
+    host: str = "127.0.0.1"
+    model_name: str
+    engine_dir: Path = Field(description="an engine directory with the tokenizer and chat template")
+    groups: list[GroupEndpoint] = Field(min_length=1)
+    max_tokens_limit: int = Field(default=4096, ge=1, description="the decode nodes' own max_tokens limit")
+
+    @classmethod
+    def load(cls, path: str | Path) -> RouterConfig:
+        return cls.model_validate(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
+
+    def dump(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json")), encoding="utf-8")

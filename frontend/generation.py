@@ -1,0 +1,171 @@
+"""One OpenAI request through the decode groups: prompt -> token ids -> pieces (with one retry
+on another group before the first token) -> text, usage, finish reason and log-probabilities.
+
+Errors are values of ``ApiError`` (HTTP status, OpenAI error type and code); the server turns
+them into OpenAI's JSON error shape, or an error event once a stream has started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from frontend import upstream
+from frontend.api_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from frontend.config import RouterConfig
+from frontend.groups import GroupPool
+from frontend.metrics import RouterMetrics
+from frontend.text import StopCutter, TextAssembler
+from frontend.upstream import GroupUnavailable, Piece, Refused, Sampling
+from torch_engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one piece added: text (stop strings cut) and the new tokens' log-probabilities."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Filled in as the request runs; final once the stream ends."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    group: str | None = None
+
+    @property
+    def usage(self) -> Usage:
+        total = self.prompt_tokens + self.completion_tokens
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
+
+
+class Generator:
+    def __init__(self, cfg: RouterConfig, pool: GroupPool, metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.metrics = metrics
+        self.tokenizer = Tokenizer(cfg.engine_dir)
+        self._ids = itertools.count()
+
+    def request_id(self, prefix: str) -> str:
+        return f"{prefix}-{time.time_ns():x}{next(self._ids):x}"
+
+    # -- prompts -------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except ValueError as exc:  # no chat template
+            raise ApiError(400, f"{exc}: use /v1/completions", param="messages") from None
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and isinstance(p[0], int):
+            vocab = len(self.tokenizer.hf)
+            bad = next((t for t in p if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            return [int(t) for t in p]
+        return self.tokenizer.encode(p if isinstance(p, str) else str(p[0]))
+
+    def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+        limit = req.limit if req.limit is not None else self.cfg.spec.max_tokens_default
+        if limit > self.cfg.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be at most {self.cfg.max_tokens_limit}, got {limit}", "max_tokens")
+        return Sampling(
+            max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+            stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            top_logprobs=req.num_top_logprobs,
+        )  # fmt: skip
+
+    # -- running -------------------------------------------------------------------------
+    async def pieces(self, ids: list[int], s: Sampling, rid: str, outcome: Outcome) -> AsyncGenerator[Piece, None]:
+        """Pieces from the least loaded group; a group that fails before the first piece: once more elsewhere."""
+        tried: set[str] = set()
+        while True:
+            group = self.pool.pick(tried)
+            if group is None:
+                downs = "; ".join(f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up)
+                raise ApiError(503, f"no decode group can serve this request ({downs})", "server_error")
+            tried.add(group.name)
+            outcome.group = group.name
+            self.metrics.served.labels(group.name).inc()
+            got_any = False
+            assert group.client is not None
+            with self.pool.track(group, len(ids), s.max_tokens) as ticket:
+                try:
+                    calls = upstream.stream(group.client, ids, s, rid, self.cfg.spec.request_timeout_s)
+                    async with contextlib.aclosing(calls) as responses:
+                        async for piece in responses:
+                            got_any = True
+                            ticket.progress(piece.generated)
+                            yield piece
+                    return
+                except GroupUnavailable as exc:
+                    self.pool.down(group, str(exc))
+                    if got_any:
+                        message = f"decode group {group.name} failed mid-stream: {exc}"
+                        raise ApiError(502, message, "server_error") from None
+                    if len(tried) >= 2:
+                        raise ApiError(503, f"decode groups {sorted(tried)} failed: {exc}", "server_error") from None
+                    self.metrics.retries.inc()
+                except Refused as exc:
+                    status = 502 if got_any else 400
+                    raise ApiError(status, str(exc), "server_error" if got_any else "invalid_request_error") from None
+
+    async def deltas(self, ids: list[int], s: Sampling, rid: str, outcome: Outcome) -> AsyncGenerator[Delta, None]:
+        text = TextAssembler(self.tokenizer, StopCutter(s.stop))
+        last, first = time.monotonic(), True
+        async with contextlib.aclosing(self.pieces(ids, s, rid, outcome)) as pieces:
+            async for piece in pieces:
+                new = piece.generated - outcome.completion_tokens
+                outcome.completion_tokens = piece.generated
+                self.metrics.tokens.labels("completion").inc(new)
+                delta = Delta(text.push(piece.window, piece.skip), self._logprobs(piece))
+                if piece.finish_reason:
+                    delta.text += text.finish()
+                    outcome.finish_reason = "stop" if text.cutter.hit else piece.finish_reason
+                if delta.text:
+                    now = time.monotonic()
+                    (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                    first, last = False, now
+                if delta.text or delta.logprobs or piece.finish_reason:
+                    yield delta
+        self.metrics.tokens.labels("prompt").inc(outcome.prompt_tokens)
+
+    def _logprobs(self, piece: Piece) -> list[TokenLogprob]:
+        if not piece.logprobs:
+            return []
+        new = piece.window[len(piece.window) - len(piece.logprobs) :]
+        out = []
+        for t, lp, ids, lps in zip(new, piece.logprobs, piece.top_ids, piece.top_logprobs, strict=True):
+            alternatives = [self._top(a, b) for a, b in zip(ids, lps, strict=True)]
+            out.append(TokenLogprob(**self._top(t, lp).model_dump(), top_logprobs=alternatives))
+        return out
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self.tokenizer.decode([token])
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))

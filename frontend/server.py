@@ -1,0 +1,286 @@
+"""The router's HTTP server (aiohttp): OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/models``, plus ``/health`` (ready while at least one decode group is) and ``/metrics``.
+
+Every error is OpenAI's JSON error shape with its HTTP status: 400 bad input, 401 missing or
+wrong API key, 404 unknown model or route, 503 no decode group can serve, 502 a group failed
+mid-request. A client that disconnects cancels its request on the decode node (handler
+cancellation is on, and closing the upstream stream cancels the gRPC call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Literal, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from frontend.api_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+)
+from frontend.config import RouterConfig
+from frontend.generation import ApiError, Delta, Generator, Outcome
+from frontend.groups import GroupPool
+from frontend.metrics import RouterMetrics
+
+log = logging.getLogger("frontend.server")
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(model: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(text=model.model_dump_json(), status=status, content_type="application/json")
+
+
+def error_response(e: ApiError) -> web.Response:
+    return _json(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, param=e.param, code=e.code)), e.status)
+
+
+def _sse(model: BaseModel | str) -> bytes:
+    body = model if isinstance(model, str) else model.model_dump_json(exclude_none=False)
+    return f"data: {body}\n\n".encode()
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, pool: GroupPool | None = None) -> None:
+        self.cfg = cfg
+        self.pool = pool or GroupPool.of(cfg.groups)
+        self.metrics = RouterMetrics(self.pool)
+        self.gen = Generator(cfg, self.pool, self.metrics)
+        self.created = int(time.time())
+        self._probe: asyncio.Task[None] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.pool.open()
+        await self.pool.probe(timeout_s=2.0)
+        self._probe = asyncio.create_task(self.pool.probe_forever(self.cfg.spec.probe_interval_s))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        await self.pool.close()
+
+    # -- middleware ----------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            self.metrics.requests.labels(request.path, str(e.status)).inc()
+            return error_response(e)
+        except web.HTTPNotFound:
+            return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
+        except web.HTTPMethodNotAllowed:
+            return error_response(ApiError(405, f"{request.method} is not allowed on {request.path}"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.cfg.spec.api_key
+        if key is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                what = "no API key" if not given else "an incorrect API key"
+                raise ApiError(401, f"you provided {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        return await handler(request)
+
+    # -- routes --------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        groups = {g.name: {"up": g.up, "in_flight": g.in_flight, "why_down": g.why_down} for g in self.pool.groups}
+        body = {"status": "ready" if self.pool.ready else "unavailable", "groups": groups}
+        return web.json_response(body, status=200 if self.pool.ready else 503)
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(ModelList(data=[ModelCard(id=self.cfg.model_name, created=self.created)]))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await self._parse(request, ChatCompletionRequest)
+        ids = self.gen.chat_prompt(req)
+        return await self._serve(request, req, ids, self.gen.request_id("chatcmpl"))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._parse(request, CompletionRequest)
+        ids = self.gen.completion_prompt(req)
+        return await self._serve(request, req, ids, self.gen.request_id("cmpl"))
+
+    async def _parse(self, request: web.Request, kind: type[R]) -> R:
+        try:
+            raw = await request.json()
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        try:
+            req = kind.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise ApiError(400, f"{field or 'request'}: {first['msg']}", param=field) from None
+        if req.model != self.cfg.model_name:
+            raise ApiError(
+                404, f"the model '{req.model}' does not exist; this deployment serves '{self.cfg.model_name}'",
+                code="model_not_found", param="model",
+            )  # fmt: skip
+        return req
+
+    async def _serve(
+        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int], rid: str
+    ) -> web.StreamResponse:
+        sampling = self.gen.sampling(req)
+        outcome = Outcome(prompt_tokens=len(ids))
+        deltas = self.gen.deltas(ids, sampling, rid, outcome)
+        chat = isinstance(req, ChatCompletionRequest)
+        if req.stream:
+            return await self._stream(request, req, deltas, outcome, rid)
+        collected: list[Delta] = []
+        async with contextlib.aclosing(deltas) as ds:
+            async for d in ds:
+                collected.append(d)
+        self.metrics.requests.labels(request.path, "200").inc()
+        text = "".join(d.text for d in collected)
+        lps = [lp for d in collected for lp in d.logprobs]
+        reason = _reason(outcome)
+        now, usage = int(time.time()), outcome.usage
+        if chat:
+            logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
+            answer = ChatChoice(message=ChatResponseMessage(content=text), logprobs=logprobs, finish_reason=reason)
+            return _json(ChatCompletion(id=rid, created=now, model=req.model, choices=[answer], usage=usage))
+        assert isinstance(req, CompletionRequest)
+        if req.echo:
+            text = self._prompt_text(req) + text
+        choice = CompletionChoice(text=text, logprobs=_completion_logprobs(req, lps), finish_reason=reason)
+        return _json(Completion(id=rid, created=now, model=req.model, choices=[choice], usage=usage))
+
+    def _prompt_text(self, req: CompletionRequest) -> str:
+        p = req.prompt
+        if isinstance(p, str):
+            return p
+        return self.gen.tokenizer.decode([int(t) for t in p]) if isinstance(p[0], int) else str(p[0])
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        deltas: AsyncGenerator[Delta, None],
+        outcome: Outcome,
+        rid: str,
+    ) -> web.StreamResponse:
+        """Server-sent events; the first upstream failure before any byte went out is still an HTTP error."""
+        chat, created = isinstance(req, ChatCompletionRequest), int(time.time())
+        response: web.StreamResponse | None = None
+
+        async def send(payload: BaseModel | str) -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
+            await response.write(_sse(payload))
+
+        async with contextlib.aclosing(deltas) as ds:
+            try:
+                if chat:
+                    await send(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
+                elif req.echo:  # type: ignore[union-attr]
+                    await send(_completion_chunk(rid, created, req.model, self._prompt_text(req), None))  # type: ignore[arg-type]
+                async for d in ds:
+                    reason = _reason(outcome) if outcome.finish_reason else None
+                    if chat:
+                        logprobs = ChatLogprobs(content=d.logprobs) if d.logprobs else None
+                        await send(_chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs))
+                    else:
+                        lps = _completion_logprobs(req, d.logprobs)  # type: ignore[arg-type]
+                        await send(_completion_chunk(rid, created, req.model, d.text, reason, lps))
+            except ApiError as e:
+                if response is None:
+                    raise
+                self.metrics.requests.labels(request.path, str(e.status)).inc()
+                await send(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
+                await send("[DONE]")
+                return response
+        if req.include_usage:
+            usage_chunk = (ChatCompletionChunk if chat else Completion)(
+                id=rid, created=created, model=req.model, choices=[], usage=outcome.usage
+            )
+            await send(usage_chunk)
+        await send("[DONE]")
+        self.metrics.requests.labels(request.path, "200").inc()
+        assert response is not None
+        return response
+
+
+def _reason(outcome: Outcome) -> Literal["stop", "length"]:
+    return "length" if outcome.finish_reason == "length" else "stop"
+
+
+def _chat_chunk(
+    rid: str, created: int, model: str, delta: ChatDelta, reason: Literal["stop", "length"] | None = None,
+    logprobs: ChatLogprobs | None = None,
+) -> ChatCompletionChunk:  # fmt: skip
+    choice = ChatChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)
+    return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+
+
+def _completion_chunk(
+    rid: str, created: int, model: str, text: str, reason: Literal["stop", "length"] | None,
+    logprobs: CompletionLogprobs | None = None,
+) -> Completion:  # fmt: skip
+    choice = CompletionChoice(text=text, finish_reason=reason, logprobs=logprobs)
+    return Completion(id=rid, created=created, model=model, choices=[choice])
+
+
+def _completion_logprobs(req: CompletionRequest, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    if req.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for lp in lps:
+        offsets.append(at)
+        at += len(lp.token)
+    tops = [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps] if req.logprobs else None
+    return CompletionLogprobs(
+        tokens=[lp.token for lp in lps], token_logprobs=[lp.logprob for lp in lps], top_logprobs=tops,
+        text_offset=offsets,
+    )  # fmt: skip
+
+
+def serve(cfg: RouterConfig) -> None:
+    """Run the router until SIGINT / SIGTERM."""
+    router = Router(cfg)
+    log.info("router on http://%s:%d/v1 over decode groups %s", cfg.host, cfg.spec.port, [g.name for g in cfg.groups])
+    web.run_app(router.app(), host=cfg.host, port=cfg.spec.port, handler_cancellation=True, print=None)

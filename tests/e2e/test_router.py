@@ -1,0 +1,213 @@
+"""The front door end to end: the official ``openai`` client against ``disagg launch``'s router over two
+decode groups and one prefill group (SmolLM2 fp32, greedy), compared with the engine run in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from orchestrator.launch import Launch
+from serving.ports import free_port
+from tests.deploy_harness import cluster, deployed
+from torch_engine.config import EngineConfig, SchedulerConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+KEY = "test-key-0123"
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
+    groups = {"engine_dir": str(smollm2_dir), "num_pages": 256}
+    cfg = cluster(
+        tmp_path_factory.mktemp("router"),
+        prefill={"count": 1, **groups},
+        decode={"count": 2, **groups},
+        router={"enabled": True, "port": free_port(), "api_key": KEY},
+    )
+    with deployed(cfg) as launch:
+        yield launch
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=256, scheduler=SchedulerConfig(max_num_seqs=4)))
+
+
+def _base(launch: Launch) -> str:
+    assert launch.prepared is not None and launch.prepared.router_url is not None
+    return launch.prepared.router_url
+
+
+def _client(launch: Launch, key: str | None = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=_base(launch), api_key=key or "wrong", max_retries=0, timeout=120)
+
+
+def _want(engine: LLMEngine, prompts: list[str], chat: bool, max_tokens: int = N) -> list[tuple[str, int, int]]:
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = [tok.encode(p, chat=chat) for p in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=max_tokens))
+    return [(tok.decode(o), len(i), len(o)) for i, o in zip(ids, outs, strict=True)]
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, dict[str, object] | str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        body, status = e.read().decode(), e.code
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body
+
+
+def test_chat_and_completions_equal_the_engine(deployment: Launch, engine: LLMEngine) -> None:
+    client = _client(deployment)
+    model = "smollm2"
+    want_chat, want_text = _want(engine, PROMPTS, chat=True), _want(engine, PROMPTS, chat=False)
+    for p, (text, n_prompt, n_out) in zip(PROMPTS, want_chat, strict=True):
+        messages = [{"role": "user", "content": p}]
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=N, temperature=0)  # type: ignore[arg-type]
+        assert r.choices[0].message.content == text
+        assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_out)
+        assert r.choices[0].finish_reason == ("length" if n_out == N else "stop")
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=N, temperature=0, stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == n_out
+    for p, (text, n_prompt, n_out) in zip(PROMPTS, want_text, strict=True):
+        c = client.completions.create(model=model, prompt=p, max_tokens=N, temperature=0)
+        assert c.choices[0].text == text
+        assert c.usage is not None and (c.usage.prompt_tokens, c.usage.completion_tokens) == (n_prompt, n_out)
+        streamed = client.completions.create(model=model, prompt=p, max_tokens=N, temperature=0, stream=True)
+        assert "".join(x.choices[0].text for x in streamed if x.choices) == text
+
+
+def test_stop_strings_cut_the_text(deployment: Launch, engine: LLMEngine) -> None:
+    client = _client(deployment)
+    full = _want(engine, ["1, 2, 3, 4,"], chat=False)[0][0]
+    stop = full.strip().split(" ")[2]  # a word some tokens in
+    got = client.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=N, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[: full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="smollm2", prompt="1, 2, 3, 4,", max_tokens=N, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == full[: full.index(stop)]
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -> None:
+    r = _client(deployment).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy: the sampled token is the most likely
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "code"),
+    [
+        ({"n": 2}, 400, None),
+        ({"temperature": -1}, 400, None),
+        ({"max_tokens": 0}, 400, None),
+        ({"messages": []}, 400, None),
+        ({"model": "gpt-4o"}, 404, "model_not_found"),
+    ],
+)
+def test_bad_requests_get_openai_errors(deployment: Launch, fields: dict[str, object], status: int, code: str) -> None:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
+    client = _client(deployment)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(**body)  # type: ignore[call-overload]
+    assert err.value.status_code == status
+    error = err.value.body
+    assert isinstance(error, dict) and error["message"] and error["type"] and error.get("code") == code
+    ok = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert ok.choices[0].message.content  # the deployment keeps serving
+
+
+def test_the_api_key_is_required_except_for_health(deployment: Launch) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(deployment, key=None).models.list()
+    assert [m.id for m in _client(deployment).models.list().data] == ["smollm2"]
+    base = _base(deployment).removesuffix("/v1")
+    status, body = _get(f"{base}/health")
+    assert status == 200 and isinstance(body, dict) and body["status"] == "ready"
+    assert _get(f"{base}/metrics")[0] == 401 and _get(f"{base}/metrics", KEY)[0] == 200
+
+
+def test_concurrent_streams_spread_over_both_decode_groups(deployment: Launch, engine: LLMEngine) -> None:
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(16)]
+    want = [w[0] for w in _want(engine, prompts, chat=False, max_tokens=12)]
+    client = openai.AsyncOpenAI(base_url=_base(deployment), api_key=KEY, max_retries=0, timeout=300)
+
+    async def one(p: str) -> str:
+        stream = await client.completions.create(model="smollm2", prompt=p, max_tokens=12, temperature=0, stream=True)
+        return "".join([x.choices[0].text async for x in stream if x.choices])
+
+    async def go() -> list[str]:
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await client.close()
+
+    before = _served(deployment)
+    assert asyncio.run(go()) == want
+    after = _served(deployment)
+    assert set(after) == {"decode0", "decode1"}
+    assert all(after[g] > before.get(g, 0.0) for g in after), (before, after)
+
+
+def _served(launch: Launch) -> dict[str, float]:
+    text = _get(f"{_base(launch).removesuffix('/v1')}/metrics", KEY)[1]
+    assert isinstance(text, str)
+    return {m[1]: float(m[2]) for m in re.finditer(r'disagg_router_served_total\{group="(\w+)"\} ([\d.e+]+)', text)}
+
+
+def test_a_client_that_disconnects_frees_its_pages(deployment: Launch) -> None:
+    client = _client(deployment)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=400,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert deployment.prepared is not None
+    ports = [ld.ports.metrics for ld in deployment.prepared.leaders]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_used_pages(p) for p in ports):
+        time.sleep(0.25)
+    assert [_used_pages(p) for p in ports] == [0.0] * len(ports)
+
+
+def _used_pages(port: int) -> float:
+    text = _get(f"http://127.0.0.1:{port}/metrics")[1]
+    assert isinstance(text, str)
+    found = re.search(r'disagg_kv_pages\{[^}]*state="used"[^}]*\} ([\d.e+]+)', text)
+    return float(found.group(1)) if found else 0.0
