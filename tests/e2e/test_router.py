@@ -87,8 +87,8 @@ def test_chat_and_completions_equal_the_engine(deployment: Launch, engine: LLMEn
         assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_out)
         assert r.choices[0].finish_reason == ("length" if n_out == N else "stop")
         chunks = list(
-            client.chat.completions.create(
-                model=model, messages=messages, max_tokens=N, temperature=0, stream=True,  # type: ignore[arg-type]
+            client.chat.completions.create(  # type: ignore[call-overload]
+                model=model, messages=messages, max_tokens=N, temperature=0, stream=True,
                 stream_options={"include_usage": True},
             )
         )  # fmt: skip
