@@ -1,0 +1,113 @@
+"""Sampling controls against HF transformers (SmolLM2 fp32, same weights, greedy, 3 prompts x 32 tokens):
+repetition penalty = HF's ``RepetitionPenaltyLogitsProcessor``; presence / frequency penalties = OpenAI's rule
+as a logits processor over the generated tokens; log-probabilities = HF's log-softmax of the processed logits
+(abs tolerance 2e-4: fp32, different kernels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from tests.helpers import smollm2_prompts
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import InvalidRequestError, SamplingParams, apply_penalties
+
+N = 32
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence / frequency penalties over the tokens generated after the prompt."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = input_ids[0, self.prompt_len :]
+        if out.numel():
+            counts = torch.bincount(out, minlength=scores.shape[-1]).to(scores.dtype)
+            scores[0] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompt: list[int], processors: LogitsProcessorList
+) -> tuple[list[int], list[float]]:
+    """Greedy with HF's logits processors (full forward each step, EOS not special), and each token's log-prob."""
+    seq, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(N):
+            ids = torch.tensor([seq])
+            scores = processors(ids, model(ids).logits[:, -1].float())
+            token = int(scores[0].argmax())
+            logps.append(float(torch.log_softmax(scores[0], -1)[token]))
+            seq.append(token)
+    return seq[len(prompt) :], logps
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
+
+
+CASES = {
+    "repetition": ({"repetition_penalty": 1.3}, lambda n: [RepetitionPenaltyLogitsProcessor(1.3)]),
+    "presence": ({"presence_penalty": 1.5}, lambda n: [OpenAIPenalties(n, 1.5, 0.0)]),
+    "frequency": ({"frequency_penalty": 0.8}, lambda n: [OpenAIPenalties(n, 0.0, 0.8)]),
+    "none": ({}, lambda n: []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_with_penalties_and_logprobs_equals_hf(case: str, engine: LLMEngine, hf_smollm2, smollm2_dir) -> None:
+    fields, processors = CASES[case]
+    tok = engine.tokenizer
+    assert tok is not None
+    prompts = smollm2_prompts(tok)
+    params = SamplingParams(max_tokens=N, ignore_eos=True, logprobs=2, **fields)  # type: ignore[arg-type]
+    rids = [engine.add_request(p, params) for p in prompts]
+    logprobs: dict[str, list[float]] = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs[out.request_id] += [lp.logprob for lp in out.logprobs]
+            pairs = zip(out.logprobs, out.new_token_ids, strict=True)
+            assert all(len(lp.top_ids) == 2 and lp.top_ids[0] == t for lp, t in pairs)
+    for rid, prompt in zip(rids, prompts, strict=True):
+        req = engine.retire(rid)
+        assert req is not None
+        want, want_logps = hf_greedy(hf_smollm2, prompt, LogitsProcessorList(processors(len(prompt))))
+        assert req.output_ids == want, case
+        torch.testing.assert_close(torch.tensor(logprobs[rid]), torch.tensor(want_logps), atol=2e-4, rtol=0)
+
+
+def test_penalties_change_the_output(engine: LLMEngine) -> None:
+    """The penalties are applied at all: a repetitive prompt's greedy continuation differs with them on."""
+    prompt = "one one one one one one one one one one"
+    plain = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    penalised = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=2.0))[0]
+    assert plain != penalised
+
+
+def test_apply_penalties_by_hand() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    apply_penalties(logits, [p], [([0], [1, 2, 2])])
+    # token 0 (prompt): 2/2; token 1 (output once): -2*2 - 0.5 - 0.25; token 2 (output twice): 1/2 - 0.5 - 0.5
+    assert logits.tolist() == [[1.0, -4.75, -0.5, 0.5]]
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_bad_sampling_controls_are_refused_by_name(fields: dict[str, float], name: str) -> None:
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**fields).validate()  # type: ignore[arg-type]
