@@ -5,7 +5,9 @@ as a logits processor over the generated tokens; log-probabilities = HF's log-so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ def hf_greedy(
     seq, logps = list(prompt), []
     with torch.no_grad():
         for _ in range(N):
-            ids = torch.tensor([seq])
+            ids = cast(torch.LongTensor, torch.tensor([seq]))
             scores = processors(ids, model(ids).logits[:, -1].float())
             token = int(scores[0].argmax())
             logps.append(float(torch.log_softmax(scores[0], -1)[token]))
@@ -53,7 +55,7 @@ def engine(smollm2_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
 
 
-CASES = {
+CASES: dict[str, tuple[dict[str, float], Callable[[int], list[LogitsProcessor]]]] = {
     "repetition": ({"repetition_penalty": 1.3}, lambda n: [RepetitionPenaltyLogitsProcessor(1.3)]),
     "presence": ({"presence_penalty": 1.5}, lambda n: [OpenAIPenalties(n, 1.5, 0.0)]),
     "frequency": ({"frequency_penalty": 0.8}, lambda n: [OpenAIPenalties(n, 0.0, 0.8)]),
