@@ -105,10 +105,11 @@ class Generator:
     async def pieces(self, ids: list[int], s: Sampling, rid: str, outcome: Outcome) -> AsyncGenerator[Piece, None]:
         """Pieces from the least loaded group; a group that fails before the first piece: once more elsewhere."""
         tried: set[str] = set()
+        failures: list[str] = []
         while True:
             group = self.pool.pick(tried)
             if group is None:
-                downs = "; ".join(f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up)
+                downs = "; ".join(failures or [f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up])
                 raise ApiError(503, f"no decode group can serve this request ({downs})", "server_error")
             tried.add(group.name)
             outcome.group = group.name
@@ -129,8 +130,9 @@ class Generator:
                     if got_any:
                         message = f"decode group {group.name} failed mid-stream: {exc}"
                         raise ApiError(502, message, "server_error") from None
+                    failures.append(f"{group.name}: {exc}")
                     if len(tried) >= 2:
-                        raise ApiError(503, f"decode groups {sorted(tried)} failed: {exc}", "server_error") from None
+                        raise ApiError(503, f"decode groups failed: {'; '.join(failures)}", "server_error") from None
                     self.metrics.retries.inc()
                 except Refused as exc:
                     status = 502 if got_any else 400

@@ -1,0 +1,140 @@
+"""The router without a deployment: decode groups replaced by fake upstream streams (what each group
+answers is scripted), served by the real aiohttp app; stop strings cut across pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from frontend import generation
+from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
+from frontend.groups import Group, GroupPool
+from frontend.server import Router
+from frontend.text import StopCutter
+from frontend.upstream import GroupUnavailable, Piece, Refused, Sampling
+
+Script = Callable[[str, list[int], Sampling], AsyncGenerator[Piece, None]]
+
+
+class ScriptedPool(GroupPool):
+    """Groups that are all up; nothing is probed or connected."""
+
+    def open(self) -> None:
+        for g in self.groups:
+            g.client = cast(Any, g.name)  # the fake stream gets the group's name as its "client"
+            g.up = True
+
+    async def probe(self, timeout_s: float) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def healthy(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+    tokens = [ids[-1]] * s.max_tokens  # repeats the prompt's last token
+    for i in range(1, len(tokens) + 1):
+        yield Piece(tuple(tokens[:i]), i - 1, i, "length" if i == len(tokens) else "")
+
+
+async def down(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+    raise GroupUnavailable(f"{name}: connection refused")
+    yield  # pragma: no cover
+
+
+async def breaks_after_one(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+    yield Piece((ids[-1],), 0, 1, "")
+    raise GroupUnavailable(f"{name}: stream reset")
+
+
+async def refuses(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+    raise Refused("prompt has 9999 tokens; the context holds 2048")
+    yield  # pragma: no cover
+
+
+def run(
+    smollm2_dir: Path, scripts: dict[str, Script], monkeypatch: pytest.MonkeyPatch, body: dict[str, object]
+) -> tuple[int, str, dict[str, Group]]:
+    def fake_stream(client: object, ids: list[int], s: Sampling, rid: str, timeout_s: float) -> Any:
+        return scripts[str(client)](str(client), ids, s)
+
+    monkeypatch.setattr(generation.upstream, "stream", fake_stream)
+    cfg = RouterConfig(
+        spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
+        groups=[GroupEndpoint(name=n, grpc_url=f"127.0.0.1:{i + 1}") for i, n in enumerate(scripts)],
+    )  # fmt: skip
+    pool = ScriptedPool.of(cfg.groups)
+    router = Router(cfg, pool)
+
+    async def go() -> tuple[int, str]:
+        async with TestClient(TestServer(router.app())) as client:
+            r = await client.post("/v1/completions", json={"model": "smollm2", "max_tokens": 3} | body)
+            return r.status, await r.text()
+
+    status, text = asyncio.run(go())
+    return status, text, {g.name: g for g in pool.groups}
+
+
+def test_a_group_down_before_the_first_token_is_retried_once_elsewhere(smollm2_dir, monkeypatch) -> None:
+    status, text, groups = run(smollm2_dir, {"a": down, "b": healthy}, monkeypatch, {"prompt": "x y"})
+    assert status == 200, text
+    body = json.loads(text)
+    assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+    assert not groups["a"].up and "connection refused" in groups["a"].why_down and groups["b"].up
+    assert groups["a"].outstanding == groups["b"].outstanding == 0 and groups["b"].in_flight == 0
+
+
+def test_no_group_left_is_a_503_in_openai_shape(smollm2_dir, monkeypatch) -> None:
+    status, text, _ = run(smollm2_dir, {"a": down, "b": down}, monkeypatch, {"prompt": "x"})
+    assert status == 503
+    error = json.loads(text)["error"]
+    assert error["type"] == "server_error" and "a: connection refused" in error["message"]
+
+
+def test_a_refusal_is_a_400_and_not_retried(smollm2_dir, monkeypatch) -> None:
+    status, text, groups = run(smollm2_dir, {"a": refuses, "b": refuses}, monkeypatch, {"prompt": "x"})
+    assert status == 400 and "context holds 2048" in json.loads(text)["error"]["message"]
+    assert groups["a"].up and groups["b"].up  # the group answered: it stays in rotation
+
+
+def test_a_stream_that_breaks_mid_way_ends_with_an_error_event(smollm2_dir, monkeypatch) -> None:
+    status, text, _ = run(smollm2_dir, {"a": breaks_after_one}, monkeypatch, {"prompt": "x", "stream": True})
+    assert status == 200
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    assert "stream reset" in json.loads(events[-2])["error"]["message"]
+
+
+def test_the_least_loaded_group_is_picked() -> None:
+    pool = GroupPool.of([GroupEndpoint(name=n, grpc_url="x") for n in ("a", "b", "c")])
+    for g in pool.groups:
+        g.up = True
+    with pool.track(pool.groups[0], 100, 50), pool.track(pool.groups[1], 10, 20) as t:
+        assert pool.pick(set()) is pool.groups[2]
+        assert pool.pick({"c"}) is pool.groups[1]
+        t.progress(5)  # 15 tokens left to generate: the prompt no longer counts
+        assert pool.groups[1].outstanding == 15
+    assert [g.outstanding for g in pool.groups] == [0, 0, 0]
+    pool.groups[2].up = False
+    assert pool.pick(set()) is pool.groups[0]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "want"),
+    [
+        (["Hello wor", "ld, and", " more"], ("world",), "Hello "),
+        (["a</", "s> b"], ("</s>",), "a"),
+        (["abc", "def"], ("xyz",), "abcdef"),
+        (["ab", "c"], ("cd", "bx"), "abc"),  # held back while it could start a stop, released at the end
+        (["STOP here"], ("STOP",), ""),
+    ],
+)
+def test_stop_strings_are_cut_across_pieces(pieces: list[str], stops: tuple[str, ...], want: str) -> None:
+    cut = StopCutter(stops)
+    assert "".join(cut.feed(p) for p in pieces) + cut.flush() == want
