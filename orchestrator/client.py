@@ -8,6 +8,7 @@ stream, so concurrency is just ``asyncio.gather``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -120,4 +121,45 @@ async def generate_ids(
             done.token_ids = [int(t) for t in result.as_numpy(Tensor.OUTPUT_IDS).reshape(-1)]
             done.times.append(time.time())
         break
+    return done
+
+
+async def chat_via_router(
+    base_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    api_key: str | None = None,
+    on_piece: Callable[[str], None] | None = None,
+    timeout_s: float = 600.0,
+) -> Completion:
+    """One streamed chat completion through the router's OpenAI API (server-sent events), timestamped."""
+    import aiohttp
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    done = Completion("router-demo", time.time())
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(f"{base_url}/chat/completions", json=body, headers=headers) as r,
+    ):
+        if r.status != 200:
+            done.error = f"HTTP {r.status}: {await r.text()}"
+            return done
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                done.error = str(event["error"].get("message"))
+                break
+            piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
+            if piece:
+                done.pieces.append(piece)
+                done.times.append(time.time())
+                if on_piece is not None:
+                    on_piece(piece)
     return done

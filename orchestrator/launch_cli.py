@@ -1,8 +1,8 @@
 """``disagg launch CONFIG``: start a deployment, say where it listens, keep it up until Ctrl-C.
 
-With ``--demo PROMPT`` (what ``make serve`` does) one chat prompt goes through the client-facing
-decode group over Triton gRPC streaming once everything is ready, and the answer streams to the
-terminal with its TTFT and inter-token latencies.
+With ``--demo PROMPT`` (what ``make serve`` does) one chat prompt goes through the router's OpenAI
+API (or, with the router off, the client-facing decode group over Triton gRPC streaming) once
+everything is ready, and the answer streams to the terminal with its TTFT and inter-token latencies.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from orchestrator.client import Completion, generate
+from orchestrator.client import Completion, chat_via_router, generate
 from orchestrator.cluster import ClusterConfig, ConfigError
 from orchestrator.launch import Launch, LaunchError, Prepared
+from orchestrator.router_process import served_model_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,12 @@ def _say(msg: str) -> None:
 
 
 def _describe(cfg: ClusterConfig, prepared: Prepared) -> None:
+    if prepared.router_url is not None:
+        key = " (API key required)" if cfg.router.api_key else ""
+        _say(f"OpenAI API: {prepared.router_url}{key}  (router over {cfg.decode.count} decode group(s))")
     for name, ep in prepared.endpoints().items():
+        if name == "router":
+            continue
         assert isinstance(ep, dict)
         _say(
             f"{name}: http {cfg.bind}:{ep['http']}  grpc {cfg.bind}:{ep['grpc']}  "
@@ -40,17 +46,20 @@ def _describe(cfg: ClusterConfig, prepared: Prepared) -> None:
         )
 
 
-async def _demo(url: str, prompt: str, max_tokens: int) -> Completion:
+def _show(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+async def _demo(cfg: ClusterConfig, prepared: Prepared, prompt: str, max_tokens: int) -> Completion:
+    if prepared.router_url is not None:
+        model = served_model_name(cfg.router, cfg.model)
+        return await chat_via_router(prepared.router_url, model, prompt, max_tokens, cfg.router.api_key, _show)
     import tritonclient.grpc.aio as aioclient
 
-    client = aioclient.InferenceServerClient(url)
+    client = aioclient.InferenceServerClient(f"{cfg.bind}:{prepared.leaders[0].ports.grpc}")
     try:
-
-        def show(piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-        return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=show)
+        return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=_show)
     finally:
         await client.close()
 
@@ -82,9 +91,8 @@ def run(a: argparse.Namespace) -> int:
         _say("ready")
         _describe(cfg, prepared)
         if a.demo:
-            front = prepared.leaders[0]
-            _say(f"> {a.demo}")
-            done = asyncio.run(_demo(f"{cfg.bind}:{front.ports.grpc}", a.demo, a.max_tokens))
+            _say(f"> {a.demo}" + (" (through the router)" if prepared.router_url else ""))
+            done = asyncio.run(_demo(cfg, prepared, a.demo, a.max_tokens))
             print(flush=True)
             if done.error:
                 _say(f"demo request failed: {done.error}")
