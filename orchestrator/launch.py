@@ -202,7 +202,7 @@ class Launch:
         if slot.role is Role.PREFILL:
             return (Model.PREFILL,)
         # the client-facing ensemble needs a tokenizer; a tokenizer-less engine serves token ids on `decode`
-        return (Model.LLM,) if EngineManifest.load(engine_dir).has_tokenizer else (Model.DECODE,)
+        return (Model.LLM, Model.ENSEMBLE) if EngineManifest.load(engine_dir).has_tokenizer else (Model.DECODE,)
 
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)

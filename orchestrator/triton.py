@@ -144,7 +144,7 @@ class TritonServer:
         ports: Ports = Ports(),
         host: str = "127.0.0.1",
         install: TritonInstall | None = None,
-        models: tuple[str, ...] = ("llm",),
+        models: tuple[str, ...] = ("llm", "ensemble"),
     ) -> None:
         self.install = install or TritonInstall.find()
         self.model_repo = Path(model_repo)

@@ -77,9 +77,13 @@ def parse_text(get: Getter) -> tuple[str, bool]:
     prompt = _text(arr.reshape(-1)[0], Tensor.TEXT_INPUT)
     if not prompt.strip():
         raise InvalidRequestError("input text_input is empty")
-    if _scalar(get, Tensor.EXCLUDE_INPUT_IN_OUTPUT) is False:  # TensorRT-LLM's ensemble input; the output never echoes
-        raise InvalidRequestError("exclude_input_in_output=false is not supported: the output never repeats the prompt")
     return prompt, bool(_scalar(get, Tensor.CHAT) or False)
+
+
+def parse_echo(get: Getter, stream: bool) -> bool:
+    """``exclude_input_in_output`` false: the output starts with the prompt. As in TensorRT-LLM, only without
+    streaming (streamed responses carry the new text only)."""
+    return _scalar(get, Tensor.EXCLUDE_INPUT_IN_OUTPUT) is False and not stream
 
 
 def parse_stop_words(get: Getter) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ class Model(enum.StrEnum):
     DECODE = "decode"
     POSTPROCESSING = "postprocessing"
     PREFILL = "prefill"  # prefill nodes
+    ENSEMBLE = "ensemble"  # TensorRT-LLM's ensemble name and shapes (a batch dimension) over `llm`
 
 
 class BackendRole(enum.StrEnum):
@@ -27,6 +28,7 @@ class BackendRole(enum.StrEnum):
     DECODE = "decode"
     POSTPROCESSING = "postprocessing"
     PREFILL = "prefill"
+    BATCH_ADAPTER = "batch_adapter"
 
 
 class Tensor(enum.StrEnum):
@@ -54,10 +56,12 @@ class Tensor(enum.StrEnum):
     RETURN_LOG_PROBS = "return_log_probs"
     TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
     NUM_RETURN_SEQUENCES = "num_return_sequences"
+    PAD_ID = "pad_id"  # accepted on `ensemble` (TensorRT-LLM clients send it), not used
     OUTPUT_IDS = "output_ids"
     SEQUENCE_LENGTH = "sequence_length"  # tokens generated so far
     FINISH_REASON = "finish_reason"  # ours: "" until the last response, then "stop" or "length"
     OUTPUT_LOG_PROBS = "output_log_probs"  # of the response's new tokens
+    CUM_LOG_PROBS = "cum_log_probs"  # `ensemble`: of every token so far
     TOP_LOGPROB_IDS = "top_logprob_ids"  # [new tokens, top_logprobs]
     TOP_LOGPROB_VALUES = "top_logprob_values"
     TEXT_SKIP = "text_skip"

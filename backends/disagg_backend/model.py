@@ -10,6 +10,8 @@ small class per role, each owning its own state:
 - ``Postprocessing``: a token window -> text (the same no-split rule as the engine loop).
 - ``Prefill`` (prefill nodes): ``handshake`` and ``prefill_request`` for the node's
   ``PrefillLoop``; KV transfer metrics.
+- ``BatchAdapter`` (decoupled, model ``ensemble``): TensorRT-LLM's batch-dimension shapes over
+  ``llm``, through a BLS call per request on its own thread (``serving.batch_adapter``).
 
 Bad input gets a per-request error that names the problem.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +32,9 @@ from pydantic import ValidationError
 
 from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
 from serving.decode_loop import DecodeLoop
-from serving.llm_request import Getter, parse_sampling, parse_stop_words, parse_text
+from serving.llm_request import Getter, parse_echo, parse_sampling, parse_stop_words, parse_text
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig
@@ -57,6 +61,7 @@ class TritonPythonModel:
             BackendRole.DECODE: Decode,
             BackendRole.POSTPROCESSING: Postprocessing,
             BackendRole.PREFILL: Prefill,
+            BackendRole.BATCH_ADAPTER: BatchAdapter,
         }
         self.role = roles[role](node)
 
@@ -154,17 +159,72 @@ class Decode(_Role):
         try:
             params, stream = parse_sampling(get, self.node.limits.max_tokens)
             ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
+            echo = tuple(ids) if parse_echo(get, stream) else ()
         except InvalidRequestError as exc:  # answered on this request's stream; the others go on
             sender.send(_error(str(exc)), flags=FINAL)
             return
         rid = f"{request.request_id() or 'triton'}#{next(self._ids)}"  # unique for the life of the node
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
-        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer)
+        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer, echo)
         self.loop.submit(rid, ids, params, responder)
 
     def finalize(self) -> None:
         self.loop.stop()
+
+
+class BatchAdapter(_Role):
+    """``ensemble``: strip the batch dimension, stream the request through ``llm`` (BLS), put it back."""
+
+    def __init__(self, node: NodeConfig) -> None:
+        self.node = node
+
+    def execute(self, requests: list[Request]) -> None:
+        for request in requests:
+            threading.Thread(target=self.serve, args=(request,), daemon=True, name="ensemble-request").start()
+
+    def serve(self, request: Request) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = [
+                pb_utils.Tensor(t.name(), unbatch(t.name(), t.as_numpy()))
+                for t in request.inputs()
+                if t.name() not in IGNORED
+            ]
+        except InvalidRequestError as exc:
+            sender.send(_error(str(exc)), flags=FINAL)
+            return
+        inner = pb_utils.InferenceRequest(
+            model_name=Model.LLM.value,
+            inputs=inputs,
+            requested_output_names=[Tensor.TEXT_OUTPUT, Tensor.OUTPUT_LOG_PROBS],
+            request_id=request.request_id(),
+        )
+        cumulative, failed = 0.0, False
+        for response in inner.exec(decoupled=True):  # ends after llm's final response
+            if failed or sender.is_cancelled():
+                continue  # this Triton cannot cancel a BLS request: let it finish, send nothing more
+            if response.has_error():
+                failed = True
+                sender.send(_error(response.error().message()), flags=FINAL)
+                continue
+            text = pb_utils.get_output_tensor_by_name(response, Tensor.TEXT_OUTPUT)
+            if text is None:  # the empty final response
+                continue
+            logprobs = pb_utils.get_output_tensor_by_name(response, Tensor.OUTPUT_LOG_PROBS).as_numpy()
+            cumulative += float(logprobs.sum())
+            per_token, total = log_prob_outputs(logprobs, cumulative)
+            sender.send(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor(Tensor.TEXT_OUTPUT, text_output(text.as_numpy())),
+                        pb_utils.Tensor(Tensor.OUTPUT_LOG_PROBS, per_token),
+                        pb_utils.Tensor(Tensor.CUM_LOG_PROBS, total),
+                    ]
+                )
+            )
+        if not failed:
+            sender.send(flags=FINAL)
 
 
 def _getter(request: Request) -> Getter:
@@ -243,8 +303,10 @@ class _Responder:
         metrics: _Metrics,
         stop: tuple[str, ...],
         tracer: Tracer | None,
+        echo: tuple[int, ...] = (),
     ) -> None:
         self.sender = sender
+        self.echo = echo  # prompt ids the (unstreamed) output starts with
         self.tracer = tracer
         self.stop = stop
         self.stream = stream
@@ -278,7 +340,7 @@ class _Responder:
         else:
             self.all_ids.extend(out.new_token_ids)
             if out.finished:
-                self._send(tuple(self.all_ids), 0, out)
+                self._send((*self.echo, *self.all_ids), 0, out)
 
     def _send(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> None:
         reason = "" if not out.finished else "length" if out.finish_reason is FinishReason.LENGTH else "stop"

@@ -57,8 +57,13 @@ def http_generate(srv: TritonServer, body: dict, stream: bool = False) -> tuple[
         return exc.code, exc.read().decode()
 
 
-def grpc_stream(srv: TritonServer, inputs: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
-    """(text pieces, errors) of one streamed request."""
+def grpc_stream(
+    srv: TritonServer,
+    inputs: dict[str, np.ndarray],
+    model: str = "llm",
+    extra: dict[str, list[np.ndarray]] | None = None,
+) -> tuple[list[str], list[str]]:
+    """(text pieces, errors) of one streamed request; ``extra``: output name -> where to collect it."""
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -72,7 +77,7 @@ def grpc_stream(srv: TritonServer, inputs: dict[str, np.ndarray]) -> tuple[list[
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         tensors.append(t)
-    client.async_stream_infer("llm", tensors, enable_empty_final_response=True)
+    client.async_stream_infer(model, tensors, enable_empty_final_response=True)
     pieces, errors = [], []
     while True:
         result, error = results.get(timeout=120)
@@ -82,6 +87,9 @@ def grpc_stream(srv: TritonServer, inputs: dict[str, np.ndarray]) -> tuple[list[
         out = result.as_numpy("text_output")
         if out is not None:
             pieces += [x.decode() for x in out.reshape(-1)]
+        for name, got in (extra or {}).items():
+            if result.as_numpy(name) is not None:
+                got.append(result.as_numpy(name))
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
     client.stop_stream()
@@ -127,7 +135,7 @@ def test_grpc_stream_equals_engine(server: TritonServer, reference: str) -> None
         ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
         ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width 2 is not supported"),
         ({"text_input": "hi " * 9000, "max_tokens": 4}, "the context holds 8192"),
-        ({"text_input": "hi", "max_tokens": 4, "exclude_input_in_output": False}, "exclude_input_in_output=false"),
+        ({"text_input": "hi", "max_tokens": 4, "num_return_sequences": 2}, "num_return_sequences 2 is not supported"),
     ],
 )
 def test_bad_input_gets_an_error_and_the_server_keeps_serving(
@@ -140,6 +148,52 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(
     assert re.search(match, json.loads(text)["error"]), text
     status, text = http_generate(server, {"text_input": PROMPT, "max_tokens": 12})
     assert status == 200 and json.loads(text)["text_output"] == reference
+
+
+def trtllm_inputs(prompt: str, stream: bool, **extra: np.ndarray) -> dict[str, np.ndarray]:
+    """Inputs as TensorRT-LLM's end-to-end gRPC client shapes them (a batch dimension, its default extras)."""
+    return {
+        "text_input": np.array([[prompt.encode()]], dtype=np.object_),
+        "max_tokens": np.array([[12]], dtype=np.int32),
+        "stream": np.array([[stream]]),
+        "beam_width": np.array([[1]], dtype=np.int32),
+        "temperature": np.array([[1.0]], dtype=np.float32),
+        "num_return_sequences": np.array([[1]], dtype=np.int32),
+        "exclude_input_in_output": np.array([[False]]),
+        "pad_id": np.array([[2]], dtype=np.int32),
+        "top_k": np.array([[1]], dtype=np.int32),  # greedy, as temperature 1 alone would sample
+    } | extra
+
+
+def test_tensorrt_llm_shaped_requests_on_ensemble(server: TritonServer, reference: str) -> None:
+    pieces, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=True), model="ensemble")
+    assert not errors and len(pieces) > 1 and "".join(pieces) == reference  # streamed: new text only
+    pieces, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=False), model="ensemble")
+    assert not errors and pieces == [PROMPT + reference]  # exclude_input_in_output false: the prompt first
+    logprobs: list[np.ndarray] = []
+    cumulative: list[np.ndarray] = []
+    pieces, errors = grpc_stream(
+        server,
+        trtllm_inputs(PROMPT, stream=True, return_log_probs=np.array([[True]])),
+        model="ensemble",
+        extra={"output_log_probs": logprobs, "cum_log_probs": cumulative},
+    )
+    assert not errors and "".join(pieces) == reference
+    assert all(lp.shape[0] == 1 for lp in logprobs) and all(c.shape == (1, 1) for c in cumulative)
+    every = np.concatenate([lp.reshape(-1) for lp in logprobs])
+    assert len(every) == 12 and (every <= 0).all()
+    assert cumulative[-1][0, 0] == pytest.approx(float(every.sum()), abs=1e-4)
+    _, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=True) | {"pad_id": np.array([[2], [2]], np.int32)})
+    assert errors and "pad_id" in errors[0]  # `llm` has no batch dimension (and no pad_id)
+    two = {"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)}
+    _, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=True) | two, model="ensemble")
+    assert errors and "batch" in errors[0]
+
+
+def test_llm_echoes_the_prompt_without_streaming(server: TritonServer, reference: str) -> None:
+    body = {"text_input": PROMPT, "max_tokens": 12, "exclude_input_in_output": False}
+    status, text = http_generate(server, body)
+    assert status == 200 and json.loads(text)["text_output"] == PROMPT + reference
 
 
 def test_wrong_dtype_shape_and_invalid_utf8_over_grpc(server: TritonServer) -> None:
