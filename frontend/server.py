@@ -3,8 +3,9 @@
 
 Every error is OpenAI's JSON error shape with its HTTP status: 400 bad input, 401 missing or
 wrong API key, 404 unknown model or route, 503 no decode group can serve, 502 a group failed
-mid-request. A client that disconnects cancels its request on the decode node (handler
-cancellation is on, and closing the upstream stream cancels the gRPC call).
+mid-request. A client's ``X-Request-Id`` is echoed and names the request on the decode node. A
+client that disconnects cancels its request on the decode node (handler cancellation is on, and
+closing the upstream stream cancels the gRPC call).
 """
 
 from __future__ import annotations
@@ -47,12 +48,24 @@ from frontend.metrics import RouterMetrics
 
 log = logging.getLogger("frontend.server")
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+REQUEST_ID = "X-Request-Id"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(model: BaseModel, status: int = 200) -> web.Response:
-    return web.Response(text=model.model_dump_json(), status=status, content_type="application/json")
+def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=model.model_dump_json(), status=status, content_type="application/json", headers=headers)
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's ``X-Request-Id``: honoured in the response and on the decode node, never trusted to be
+    unique (each node appends its own counter)."""
+    given = request.headers.get(REQUEST_ID)
+    if given is None:
+        return None
+    if not 0 < len(given) <= 128 or not given.isprintable():
+        raise ApiError(400, f"{REQUEST_ID} must be 1-128 printable characters", param=REQUEST_ID)
+    return given
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -164,10 +177,11 @@ class Router:
     ) -> web.StreamResponse:
         sampling = self.gen.sampling(req)
         outcome = Outcome(prompt_tokens=len(ids))
-        deltas = self.gen.deltas(ids, sampling, rid, outcome)
+        traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
+        deltas = self.gen.deltas(ids, sampling, traced, outcome)
         chat = isinstance(req, ChatCompletionRequest)
         if req.stream:
-            return await self._stream(request, req, deltas, outcome, rid)
+            return await self._stream(request, req, deltas, outcome, rid, traced)
         collected: list[Delta] = []
         async with contextlib.aclosing(deltas) as ds:
             async for d in ds:
@@ -180,12 +194,14 @@ class Router:
         if chat:
             logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
             answer = ChatChoice(message=ChatResponseMessage(content=text), logprobs=logprobs, finish_reason=reason)
-            return _json(ChatCompletion(id=rid, created=now, model=req.model, choices=[answer], usage=usage))
+            body: BaseModel = ChatCompletion(id=rid, created=now, model=req.model, choices=[answer], usage=usage)
+            return _json(body, headers={REQUEST_ID: traced})
         assert isinstance(req, CompletionRequest)
         if req.echo:
             text = self._prompt_text(req) + text
         choice = CompletionChoice(text=text, logprobs=_completion_logprobs(req, lps), finish_reason=reason)
-        return _json(Completion(id=rid, created=now, model=req.model, choices=[choice], usage=usage))
+        body = Completion(id=rid, created=now, model=req.model, choices=[choice], usage=usage)
+        return _json(body, headers={REQUEST_ID: traced})
 
     def _prompt_text(self, req: CompletionRequest) -> str:
         p = req.prompt
@@ -200,6 +216,7 @@ class Router:
         deltas: AsyncGenerator[Delta, None],
         outcome: Outcome,
         rid: str,
+        traced: str,
     ) -> web.StreamResponse:
         """Server-sent events; the first upstream failure before any byte went out is still an HTTP error."""
         chat, created = isinstance(req, ChatCompletionRequest), int(time.time())
@@ -208,7 +225,7 @@ class Router:
         async def send(payload: BaseModel | str) -> None:
             nonlocal response
             if response is None:
-                response = web.StreamResponse(headers=SSE_HEADERS)
+                response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
                 await response.prepare(request)
             await response.write(_sse(payload))
 

@@ -133,17 +133,44 @@ async def chat_via_router(
     on_piece: Callable[[str], None] | None = None,
     timeout_s: float = 600.0,
 ) -> Completion:
-    """One streamed chat completion through the router's OpenAI API (server-sent events), timestamped."""
-    import aiohttp
-
+    """One streamed greedy chat completion through the router's OpenAI API, timestamped."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}  # fmt: skip
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    done = Completion("router-demo", time.time())
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    return await _via_router(f"{base_url}/chat/completions", body, "router-demo", api_key, on_piece, timeout_s)
+
+
+async def complete_via_router(
+    base_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    request_id: str,
+    ignore_eos: bool = False,
+    api_key: str | None = None,
+    timeout_s: float = 600.0,
+) -> Completion:
+    """One streamed greedy text completion through the router (``X-Request-Id`` names it on the decode node)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos}  # fmt: skip
+    return await _via_router(f"{base_url}/completions", body, request_id, api_key, None, timeout_s)
+
+
+async def _via_router(
+    url: str,
+    body: dict[str, object],
+    request_id: str,
+    api_key: str | None,
+    on_piece: Callable[[str], None] | None,
+    timeout_s: float,
+) -> Completion:
+    """POST one streamed request; every non-empty text piece of the server-sent events is timestamped."""
+    import aiohttp
+
+    headers = {"X-Request-Id": request_id} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    done = Completion(request_id, time.time())
     async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(f"{base_url}/chat/completions", json=body, headers=headers) as r,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+        session.post(url, json=body, headers=headers) as r,
     ):
         if r.status != 200:
             done.error = f"HTTP {r.status}: {await r.text()}"
@@ -156,7 +183,8 @@ async def chat_via_router(
             if "error" in event:
                 done.error = str(event["error"].get("message"))
                 break
-            piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
+            choice = event["choices"][0] if event["choices"] else {}
+            piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
             if piece:
                 done.pieces.append(piece)
                 done.times.append(time.time())

@@ -27,7 +27,7 @@ from typing import Literal
 from tqdm import tqdm
 
 from bench.serve.calibrate import Calibration, calibrate
-from bench.serve.deploy import MODES, decode_urls, deployment
+from bench.serve.deploy import MODES, Frontend, deployment, load_targets
 from bench.serve.metrics import PointSummary, goodput, summarize, ttft_splits
 from bench.serve.replay import measure_idle, replay
 from bench.serve.workloads import BenchRequest, Workload, make_requests, poisson_arrivals, save_requests
@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
                    help="dtype the engines compute in, in both modes and in the calibration")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frontend", choices=[f.value for f in Frontend], default=Frontend.TRITON.value,
+                   help="send the load to the decode groups over Triton gRPC (round-robin) or through the router")
     p.add_argument("--out", type=Path, default=Path("runs/bench_serve"))
     p.add_argument("--json", type=Path, default=None, help="every figure and ratio (default OUT/bench_serve.json)")
 
@@ -78,6 +80,7 @@ class Options:
     max_seconds: float
     seed: int
     run_dtype: str
+    frontend: Frontend
     out: Path
     json: Path
     command: str
@@ -90,7 +93,8 @@ class Options:
         return cls(
             engine_dir, [Workload(w) for w in a.workloads], a.requests, a.rates, a.rate_multiples, a.prefill_ratio,
             a.calibrate_lengths, a.chunk, a.cores, a.layers_per_post, a.idle_requests, a.max_seconds, a.seed,
-            a.run_dtype, out, a.json or out / "bench_serve.json", "disagg bench serve " + " ".join(a.argv),
+            a.run_dtype, Frontend(a.frontend), out, a.json or out / "bench_serve.json",
+            "disagg bench serve " + " ".join(a.argv),
         )  # fmt: skip
 
 
@@ -143,12 +147,15 @@ def run(a: argparse.Namespace) -> int:
     report = ServeReport(opts.command, machine, cal)
     launches = {
         m: Launch(
-            deployment(m, opts.engine_dir, opts.out, opts.chunk, opts.cores, opts.layers_per_post, opts.run_dtype)
+            deployment(
+                m, opts.engine_dir, opts.out, opts.chunk, opts.cores, opts.layers_per_post, opts.run_dtype,
+                opts.frontend,
+            )
         )
         for m in MODES
     }
     try:
-        _start(launches)
+        _start(launches, opts.frontend)
         tok = Tokenizer(opts.engine_dir)
         for wl in opts.workloads:
             _workload(opts, report, launches, make_requests(tok, wl, opts.requests, cal.prefill_len, opts.seed), wl)
@@ -161,13 +168,13 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def _start(launches: dict[str, Launch]) -> None:
+def _start(launches: dict[str, Launch], frontend: Frontend) -> None:
     for launch in launches.values():
         launch.prepare(progress=False)
         launch.start()
     for m, launch in launches.items():
         launch.wait_ready()
-        print(f"[bench] {m} deployment ready: {', '.join(decode_urls(launch))}", flush=True)
+        print(f"[bench] {m} deployment ready: {', '.join(load_targets(launch, frontend).urls)}", flush=True)
 
 
 def _workload(
@@ -175,7 +182,8 @@ def _workload(
 ) -> None:
     """Idle baseline -> SLOs -> the rate sweep of one workload, both modes."""
     save_requests(opts.out / f"requests-{wl.value}.jsonl", reqs)
-    idle = {m: measure_idle(launches[m], reqs[: opts.idle_requests], f"idle-{wl.value}-{m}") for m in MODES}
+    to = {m: load_targets(launches[m], opts.frontend) for m in MODES}
+    idle = {m: measure_idle(to[m], reqs[: opts.idle_requests], f"idle-{wl.value}-{m}") for m in MODES}
     ttft_idle, step_idle = idle["colocated"]["ttft"], idle["colocated"]["itl"]
     slo = (3 * ttft_idle, 1.5 * step_idle)
     mean_out = statistics.mean(r.max_tokens for r in reqs)
@@ -192,7 +200,7 @@ def _workload(
         for m in MODES if ri % 2 == 0 else MODES[::-1]:
             tag = f"{wl.value}-{m}-r{ri}"
             bar = tqdm(total=len(reqs), desc=f"{wl.value} {m} {rate:.2f}/s", leave=False)
-            done, wall = asyncio.run(replay(decode_urls(launches[m]), reqs, arrivals, tag, opts.max_seconds, bar))
+            done, wall = asyncio.run(replay(to[m], reqs, arrivals, tag, opts.max_seconds, bar))
             bar.close()
             time.sleep(0.5)  # let the last trace lines land
             p = summarize(m, wl, rate, done, wall, slo, ttft_splits(launches[m].run_dir, tag))

@@ -4,6 +4,8 @@ one prefill and one decode process, one core each. One torch thread per process 
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.cluster import ClusterConfig
@@ -14,6 +16,21 @@ from torch_engine.config import Role
 MODES = ("colocated", "disaggregated")
 
 
+class Frontend(enum.StrEnum):
+    """What the load generator talks to: the decode groups' `llm` over Triton gRPC (round-robin), or the router."""
+
+    TRITON = "triton"
+    ROUTER = "router"
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    frontend: Frontend
+    urls: list[str]  # decode groups' gRPC endpoints, or the router's /v1 URL
+    model: str  # the router's model name (unused over Triton)
+    api_key: str | None = None  # the router's, when it has one
+
+
 def deployment(
     mode: str,
     engine_dir: Path,
@@ -22,6 +39,7 @@ def deployment(
     cores: list[int],
     layers_per_post: int = 1,
     run_dtype: str = "auto",
+    frontend: Frontend = Frontend.TRITON,
 ) -> ClusterConfig:
     base: dict[str, object] = {
         "mode": mode,
@@ -33,6 +51,7 @@ def deployment(
         "run_dir": str(out / mode),
         "timeouts": {"startup_s": 300, "kv_transfer_s": 120},
         "transport": {"layers_per_post": layers_per_post},
+        "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port()},
     }
     group = {"tp": 1, "engine_dir": str(engine_dir), "num_pages": 2048}
     if mode == "colocated":
@@ -48,3 +67,11 @@ def deployment(
 def decode_urls(launch: Launch) -> list[str]:
     assert launch.prepared is not None
     return [f"{launch.cfg.bind}:{ld.ports.grpc}" for ld in launch.prepared.leaders if ld.slot.role is not Role.PREFILL]
+
+
+def load_targets(launch: Launch, frontend: Frontend) -> Targets:
+    if frontend is Frontend.TRITON:
+        return Targets(frontend, decode_urls(launch), "")
+    assert launch.prepared is not None and launch.prepared.router_url is not None and launch.router is not None
+    router = launch.router.cfg
+    return Targets(frontend, [launch.prepared.router_url], router.model_name, router.spec.api_key)

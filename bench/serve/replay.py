@@ -1,5 +1,6 @@
 """Load: each request sent at its (seeded Poisson) arrival time over Triton gRPC streaming, round-robin
-over a deployment's decode groups, every point bounded in time; and the idle baseline."""
+over a deployment's decode groups, or through the router's OpenAI API; every point bounded in time;
+and the idle baseline."""
 
 from __future__ import annotations
 
@@ -10,27 +11,32 @@ import time
 import tritonclient.grpc.aio as aioclient
 from tqdm import tqdm
 
-from bench.serve.deploy import decode_urls
+from bench.serve.deploy import Frontend, Targets
 from bench.serve.workloads import BenchRequest
-from orchestrator.client import Completion, generate
-from orchestrator.launch import Launch
+from orchestrator.client import Completion, complete_via_router, generate
 
 
 async def replay(
-    urls: list[str],
+    to: Targets,
     requests: list[BenchRequest],
     arrivals: list[float],
     tag: str,
     max_seconds: float,
     bar: tqdm | None = None,
 ) -> tuple[list[Completion], float]:
-    """Send each request at its arrival time (round-robin over ``urls``); returns them and the wall time."""
-    clients = [aioclient.InferenceServerClient(u) for u in urls]
+    """Send each request at its arrival time (round-robin over the targets); returns them and the wall time."""
+    clients = [aioclient.InferenceServerClient(u) for u in to.urls] if to.frontend is Frontend.TRITON else []
     start = time.monotonic()
+
+    async def send(i: int, req: BenchRequest, rid: str) -> Completion:
+        if to.frontend is Frontend.ROUTER:
+            url, model = to.urls[0], to.model
+            return await complete_via_router(url, model, req.prompt, req.max_tokens, rid, True, to.api_key)
+        return await generate(clients[i % len(clients)], req.prompt, req.max_tokens, rid, ignore_eos=True)
 
     async def one(i: int, req: BenchRequest) -> Completion:
         await asyncio.sleep(max(0.0, arrivals[i] - (time.monotonic() - start)))
-        done = await generate(clients[i % len(clients)], req.prompt, req.max_tokens, f"{tag}-{i}", ignore_eos=True)
+        done = await send(i, req, f"{tag}-{i}")
         if bar is not None:
             bar.update(1)
         return done
@@ -54,15 +60,15 @@ async def replay(
     return out, wall
 
 
-def measure_idle(launch: Launch, reqs: list[BenchRequest], tag: str) -> dict[str, float]:
-    """One request at a time: the first warms up, the rest give the idle TTFT and decode step."""
-    urls = decode_urls(launch)[:1]
+def measure_idle(to: Targets, reqs: list[BenchRequest], tag: str) -> dict[str, float]:
+    """One request at a time (to the first target): the first warms up, the rest give the idle TTFT and step."""
+    first = Targets(to.frontend, to.urls[:1], to.model, to.api_key)
     ttfts, itls = [], []
     for i, r in enumerate(reqs):
-        done, _ = asyncio.run(replay(urls, [r], [0.0], f"{tag}{i}", 300))
+        done, _ = asyncio.run(replay(first, [r], [0.0], f"{tag}{i}", 300))
         c = done[0]
         if c.error is not None or c.ttft is None:
-            raise RuntimeError(f"idle request failed on {launch.cfg.mode.value}: {c.error}")
+            raise RuntimeError(f"idle request {tag}{i} failed: {c.error}")
         if i:
             ttfts.append(c.ttft)
             itls += c.itls

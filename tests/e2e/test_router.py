@@ -15,6 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.serve.deploy import Frontend, load_targets
+from bench.serve.replay import replay
+from bench.serve.workloads import BenchRequest
 from orchestrator.launch import Launch
 from serving.ports import free_port
 from tests.deploy_harness import cluster, deployed
@@ -211,3 +214,21 @@ def _used_pages(port: int) -> float:
     assert isinstance(text, str)
     found = re.search(r'disagg_kv_pages\{[^}]*state="used"[^}]*\} ([\d.e+]+)', text)
     return float(found.group(1)) if found else 0.0
+
+
+def test_the_serving_benchmark_drives_the_router_and_request_ids_reach_the_traces(deployment: Launch) -> None:
+    to = load_targets(deployment, Frontend.ROUTER)
+    assert to.urls == [_base(deployment)] and to.model == "smollm2" and to.api_key == KEY
+    reqs = [BenchRequest(prompt=f"Tell me about the number {i}.", prompt_tokens=8, max_tokens=6) for i in range(4)]
+    done, _ = asyncio.run(replay(to, reqs, [0.0, 0.1, 0.2, 0.3], "benchtag", 120))
+    assert [c.error for c in done] == [None] * 4
+    assert all(c.ttft is not None and len(c.times) >= 1 for c in done)
+    traced = "".join(p.read_text(encoding="utf-8") for p in (deployment.run_dir / "traces").glob("decode*.jsonl"))
+    assert all(f"benchtag-{i}#" in traced for i in range(4))  # the client's id names it on the decode node
+    req = urllib.request.Request(
+        f"{_base(deployment)}/completions",
+        data=json.dumps({"model": "smollm2", "prompt": "hi", "max_tokens": 2}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "my-id-1", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["X-Request-Id"] == "my-id-1"
