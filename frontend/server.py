@@ -114,6 +114,9 @@ class Router:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away: nginx's 499 in the metrics
+            self.metrics.requests.labels(request.path, "499").inc()
+            raise
         except ApiError as e:
             self.metrics.requests.labels(request.path, str(e.status)).inc()
             return error_response(e)

@@ -118,6 +118,17 @@ def test_stop_strings_cut_the_text(deployment: Launch, engine: LLMEngine) -> Non
     assert "".join(x.choices[0].text for x in streamed if x.choices) == full[: full.index(stop)]
 
 
+def test_penalties_reach_the_engine(deployment: Launch, engine: LLMEngine) -> None:
+    tok = engine.tokenizer
+    assert tok is not None
+    prompt = "one one one one one one one one"
+    want = tok.decode(engine.generate([prompt], SamplingParams(max_tokens=12, repetition_penalty=1.8))[0])
+    got = _client(deployment).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, extra_body={"repetition_penalty": 1.8}
+    )
+    assert got.choices[0].text == want != _want(engine, [prompt], chat=False, max_tokens=12)[0][0]
+
+
 def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -> None:
     r = _client(deployment).chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8, temperature=0,
@@ -161,6 +172,10 @@ def test_the_api_key_is_required_except_for_health(deployment: Launch) -> None:
     status, body = _get(f"{base}/health")
     assert status == 200 and isinstance(body, dict) and body["status"] == "ready"
     assert _get(f"{base}/metrics")[0] == 401 and _get(f"{base}/metrics", KEY)[0] == 200
+    metrics = _get(f"{base}/metrics", KEY)[1]
+    assert isinstance(metrics, str)
+    families = ("disagg_router_time_to_first_token_seconds", "disagg_router_requests_total", "disagg_router_in_flight")
+    assert all(f in metrics for f in families)
 
 
 def test_concurrent_streams_spread_over_both_decode_groups(deployment: Launch, engine: LLMEngine) -> None:
@@ -201,12 +216,15 @@ def test_a_client_that_disconnects_frees_its_pages(deployment: Launch) -> None:
         if i == 3:
             break
     stream.close()
+    base = _base(deployment).removesuffix("/v1")
     assert deployment.prepared is not None
     ports = [ld.ports.metrics for ld in deployment.prepared.leaders]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(_used_pages(p) for p in ports):
         time.sleep(0.25)
     assert [_used_pages(p) for p in ports] == [0.0] * len(ports)
+    metrics = _get(f"{base}/metrics", KEY)[1]
+    assert isinstance(metrics, str) and 'status="499"' in metrics  # counted as the client's cancellation
 
 
 def _used_pages(port: int) -> float:
