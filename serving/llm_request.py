@@ -36,6 +36,7 @@ _KINDS = {
     Tensor.RETURN_LOG_PROBS: "b",
     Tensor.TOP_LOGPROBS: "i",
     Tensor.NUM_RETURN_SEQUENCES: "i",
+    Tensor.STOP: "b",
 }
 
 
@@ -78,6 +79,11 @@ def parse_text(get: Getter) -> tuple[str, bool]:
     if not prompt.strip():
         raise InvalidRequestError("input text_input is empty")
     return prompt, bool(_scalar(get, Tensor.CHAT) or False)
+
+
+def parse_stop(get: Getter) -> bool:
+    """``stop`` true: a control call that stops the live requests named by its request id (no generation)."""
+    return bool(_scalar(get, Tensor.STOP))
 
 
 def parse_echo(get: Getter, stream: bool) -> bool:

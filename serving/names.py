@@ -56,6 +56,7 @@ class Tensor(enum.StrEnum):
     RETURN_LOG_PROBS = "return_log_probs"
     TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
     NUM_RETURN_SEQUENCES = "num_return_sequences"
+    STOP = "stop"  # TensorRT-LLM's: true stops the live requests named by this call's request id
     PAD_ID = "pad_id"  # accepted on `ensemble` (TensorRT-LLM clients send it), not used
     OUTPUT_IDS = "output_ids"
     SEQUENCE_LENGTH = "sequence_length"  # tokens generated so far

@@ -34,7 +34,7 @@ from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
 from serving.decode_loop import DecodeLoop
-from serving.llm_request import Getter, parse_echo, parse_sampling, parse_stop_words, parse_text
+from serving.llm_request import Getter, parse_echo, parse_sampling, parse_stop, parse_stop_words, parse_text
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig
@@ -148,6 +148,8 @@ class Decode(_Role):
         self.metrics = _Metrics()
         self.loop, self.tracer = decode_loop(node, on_step=self.metrics.step)
         self._ids = itertools.count()
+        self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
+        self._live_lock = threading.Lock()
 
     def execute(self, requests: list[Request]) -> None:
         for request in requests:
@@ -156,6 +158,9 @@ class Decode(_Role):
     def submit(self, request: Request) -> None:
         sender = request.get_response_sender()
         get = _getter(request)
+        if parse_stop(get):
+            self.stop(request.request_id(), sender)
+            return
         try:
             params, stream = parse_sampling(get, self.node.limits.max_tokens)
             ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
@@ -163,11 +168,35 @@ class Decode(_Role):
         except InvalidRequestError as exc:  # answered on this request's stream; the others go on
             sender.send(_error(str(exc)), flags=FINAL)
             return
-        rid = f"{request.request_id() or 'triton'}#{next(self._ids)}"  # unique for the life of the node
+        client = request.request_id()
+        rid = f"{client or 'triton'}#{next(self._ids)}"  # unique for the life of the node
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
         responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer, echo)
+        if client:
+            with self._live_lock:
+                self._live.setdefault(client, set()).add(rid)
+            responder.on_done = lambda: self._forget(client, rid)
         self.loop.submit(rid, ids, params, responder)
+
+    def stop(self, client: str, sender: Any) -> None:
+        """``stop``: abort every live request this request id names (TensorRT-LLM's stop request)."""
+        if not client:
+            sender.send(_error("input stop needs the request id of the requests to stop"), flags=FINAL)
+            return
+        with self._live_lock:
+            rids = sorted(self._live.get(client, ()))
+        for rid in rids:
+            self.loop.cancel(rid)
+        sender.send(flags=FINAL)
+
+    def _forget(self, client: str, rid: str) -> None:
+        with self._live_lock:
+            live = self._live.get(client)
+            if live is not None:
+                live.discard(rid)
+                if not live:
+                    del self._live[client]
 
     def finalize(self) -> None:
         self.loop.stop()
@@ -178,6 +207,7 @@ class BatchAdapter(_Role):
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
+        self._ids = itertools.count()
 
     def execute(self, requests: list[Request]) -> None:
         for request in requests:
@@ -194,16 +224,20 @@ class BatchAdapter(_Role):
         except InvalidRequestError as exc:
             sender.send(_error(str(exc)), flags=FINAL)
             return
+        inner_id = f"{request.request_id() or 'ensemble'}~{next(self._ids)}"  # unique: `stop` names only this one
         inner = pb_utils.InferenceRequest(
             model_name=Model.LLM.value,
             inputs=inputs,
             requested_output_names=[Tensor.TEXT_OUTPUT, Tensor.OUTPUT_LOG_PROBS],
-            request_id=request.request_id(),
+            request_id=inner_id,
         )
-        cumulative, failed = 0.0, False
+        cumulative, failed, stopped = 0.0, False, False
         for response in inner.exec(decoupled=True):  # ends after llm's final response
-            if failed or sender.is_cancelled():
-                continue  # this Triton cannot cancel a BLS request: let it finish, send nothing more
+            if not stopped and sender.is_cancelled():
+                stopped = True  # this Triton cannot cancel a BLS request: stop it on the decode model
+                _stop(inner_id)
+            if failed or stopped:
+                continue
             if response.has_error():
                 failed = True
                 sender.send(_error(response.error().message()), flags=FINAL)
@@ -225,6 +259,18 @@ class BatchAdapter(_Role):
             )
         if not failed:
             sender.send(flags=FINAL)
+
+
+def _stop(request_id: str) -> None:
+    """TensorRT-LLM's stop request to this node's ``decode`` model: it aborts the requests ``request_id`` names."""
+    stop = pb_utils.InferenceRequest(
+        model_name=Model.DECODE.value,
+        inputs=[pb_utils.Tensor(Tensor.STOP, np.array([True]))],
+        requested_output_names=[],
+        request_id=request_id,
+    )
+    for _ in stop.exec(decoupled=True):
+        pass
 
 
 def _getter(request: Request) -> Getter:
@@ -307,6 +353,7 @@ class _Responder:
     ) -> None:
         self.sender = sender
         self.echo = echo  # prompt ids the (unstreamed) output starts with
+        self.on_done: Callable[[], None] | None = None  # once the request has ended, however it ended
         self.tracer = tracer
         self.stop = stop
         self.stream = stream
@@ -319,6 +366,8 @@ class _Responder:
         self.first = True
 
     def __call__(self, out: RequestOutput) -> None:
+        if out.finished and self.on_done is not None:
+            self.on_done()
         if self.sender.is_cancelled():  # the client went away: stop, and only close the stream
             if out.finished:
                 self.sender.send(flags=FINAL)  # Triton releases the request only once it is closed

@@ -262,6 +262,49 @@ def test_client_cancel_aborts_and_frees_pages(server: TritonServer) -> None:
     assert status == 200
 
 
+def test_cancelling_an_ensemble_request_stops_it_on_the_decode_model(server: TritonServer) -> None:
+    """The BLS call inside `ensemble` cannot be cancelled in this Triton: a `stop` request does it."""
+    import time
+
+    generated = metric(server, "disagg_generation_tokens_total")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    inputs = trtllm_inputs("Write a long story about a dragon.", stream=True)
+    inputs["max_tokens"] = np.array([[64]], dtype=np.int32)
+    inputs["ignore_eos"] = np.array([[True]])
+    tensors = []
+    for name, arr in inputs.items():
+        dtype = {"object": "BYTES", "int32": "INT32", "float32": "FP32", "bool": "BOOL"}[str(arr.dtype)]
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    client.async_stream_infer("ensemble", tensors, request_id="cancel-me")
+    got.get(timeout=120)  # the first piece arrived
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while metric(server, "disagg_queue_depth", 'queue="running"') != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "disagg_kv_pages", 'state="used"') == 0
+    assert metric(server, "disagg_generation_tokens_total") - generated < 64  # stopped, not run to max_tokens
+    pieces, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=True), model="ensemble")
+    assert not errors and pieces  # the node keeps serving
+
+
+def test_a_stop_request_needs_a_request_id(server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stop = grpcclient.InferInput("stop", [1], "BOOL")
+    stop.set_data_from_numpy(np.array([True]))
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("decode", [stop])
+    _, error = got.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    assert error is not None and "request id" in str(error)
+
+
 def test_perf_analyzer_streaming_run(server: TritonServer, tmp_path: Path) -> None:
     import subprocess
     import sys
