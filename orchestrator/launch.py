@@ -37,6 +37,8 @@ from orchestrator.triton import (
     backend_dir,
     http_ready,
     port_free,
+    remove_shm,
+    shm_prefix,
     stub_environment,
     triton_command,
 )
@@ -143,8 +145,9 @@ class Launch:
                 leaders.append(Leader(slot, ports[slot.mpi_rank], models))
                 log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
                 argv = triton_command(
-                    install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models, log_file
-                )
+                    install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models,
+                    shm_prefix(f"{self.run_id}_{slot.name.replace('.', '_')}"), log_file,
+                )  # fmt: skip
             else:
                 argv = [sys.executable, "-m", "serving.worker", str(node_path)]
             apps.append(["-n", "1", "env", f"{NODE_CONFIG_ENV}={node_path}", *pin, *argv])
@@ -334,6 +337,7 @@ class Launch:
         for pid in run_processes(self.run_id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        remove_shm(shm_prefix(self.run_id))  # what killed Python-backend stubs left in /dev/shm
         code, self.proc = self.proc.returncode, None
         return code
 

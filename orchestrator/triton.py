@@ -10,6 +10,7 @@ stops it. A missing binary, a port in use, or a server that exits early are clea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -20,6 +21,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +95,11 @@ def triton_command(
     host: str,
     ports: Ports,
     models: tuple[str, ...],
+    shm_prefix: str,
     log_file: Path | None = None,
 ) -> list[str]:
-    """``tritonserver`` bound to ``host``, explicit model control loading ``models``."""
+    """``tritonserver`` bound to ``host``, explicit model control loading ``models``; the Python backend's
+    shared-memory regions are named ``shm_prefix...`` so that ``remove_shm`` finds what a killed stub left."""
     return [
         str(install.binary),
         f"--model-repository={model_repo}",
@@ -111,7 +115,26 @@ def triton_command(
         *([f"--log-file={log_file}"] if log_file is not None else []),
         "--model-control-mode=explicit",
         *(f"--load-model={m}" for m in models),
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
     ]
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_prefix(owner: str) -> str:
+    """The prefix of one server's Python-backend shared-memory regions (``owner``: a run or server id)."""
+    return f"disagg_{owner}_"
+
+
+def remove_shm(prefix: str) -> int:
+    """Unlink the shared-memory regions named ``prefix...`` (a stopped server's, left by killed stubs)."""
+    removed = 0
+    for region in SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            region.unlink()
+            removed += 1
+    return removed
 
 
 def stub_environment(install: TritonInstall) -> dict[str, str]:
@@ -155,6 +178,7 @@ class TritonServer:
         self.models = models  # what this node loads (an ensemble brings its steps): llm / prefill
         self.log_path = self.run_dir / "tritonserver.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.shm_prefix = shm_prefix(uuid.uuid4().hex[:12])
 
     @property
     def http_url(self) -> str:
@@ -165,7 +189,9 @@ class TritonServer:
         return f"{self.host}:{self.ports.grpc}"
 
     def command(self, backends: Path) -> list[str]:
-        return triton_command(self.install, self.model_repo, backends, self.host, self.ports, self.models)
+        return triton_command(
+            self.install, self.model_repo, backends, self.host, self.ports, self.models, self.shm_prefix
+        )
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ) | stub_environment(self.install)
@@ -213,6 +239,7 @@ class TritonServer:
                 self.proc.wait()
         code = self.proc.returncode
         self.proc = None
+        remove_shm(self.shm_prefix)
         return code
 
     def __enter__(self) -> TritonServer:

@@ -12,7 +12,7 @@ import tritonclient.grpc.aio as aioclient
 from orchestrator.client import Completion, generate, generate_ids
 from orchestrator.cluster import ClusterConfig
 from orchestrator.launch import Launch, run_processes
-from orchestrator.triton import free_port
+from orchestrator.triton import SHM_DIR, free_port, shm_prefix
 
 
 def cluster(tmp: Path, **fields: object) -> ClusterConfig:
@@ -36,11 +36,14 @@ def deployed(cfg: ClusterConfig) -> Iterator[Launch]:
     launch.start()
     try:
         launch.wait_ready()
+        assert list(SHM_DIR.glob(f"{shm_prefix(launch.run_id)}*")), "the stubs' shared memory carries the run's prefix"
         yield launch
     finally:
         launch.stop()
         left = run_processes(launch.run_id)
         assert not left, f"processes left behind: {left}"
+        leaked = list(SHM_DIR.glob(f"{shm_prefix(launch.run_id)}*"))
+        assert not leaked, f"shared memory left behind: {leaked}"
 
 
 def grpc_url(launch: Launch, decode_group: int = 0) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from orchestrator.triton import Ports, TritonError, TritonInstall, TritonServer
+from orchestrator.triton import SHM_DIR, Ports, TritonError, TritonInstall, TritonServer
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -31,8 +31,10 @@ def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     )
     srv = TritonServer(ROOT / "model_repo", run / "run", node, Ports.free())
     srv.start()
+    assert list(SHM_DIR.glob(f"{srv.shm_prefix}*"))  # the stubs' shared memory carries the server's prefix
     yield srv
     assert srv.stop() == 0, srv.log_tail()
+    assert not list(SHM_DIR.glob(f"{srv.shm_prefix}*"))
 
 
 @pytest.fixture(scope="module")
