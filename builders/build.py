@@ -56,7 +56,8 @@ def _fingerprint(path: Path, opts: BuildOptions) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     for f in files:
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        # whole seconds: archives (tar layers of an image, zip) keep mtimes to the second, not the nanosecond
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)};".encode())
     opts_text = json.dumps(
         [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size, opts.kv_layout.value]
     )
@@ -121,6 +122,9 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
         ).save(tmp)
         if out.exists():
             shutil.rmtree(out)
+        for f in tmp.iterdir():  # readable by every user of a shared cache (an image's): mkdtemp and
+            f.chmod(0o644)  # safetensors create their directory and weight files private (0700 / 0600)
+        tmp.chmod(0o755)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

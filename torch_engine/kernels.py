@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -38,6 +39,9 @@ def build(verbose: bool = False) -> ModuleType:
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    venv_bin = str(Path(sys.executable).parent)  # torch runs `ninja` from PATH; pip installs it next to python
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(p for p in (venv_bin, os.environ.get("PATH")) if p)
     return load(
         name="disagg_cpu_kernels",
         sources=[str(p) for p in SOURCES],
