@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer clean
+.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer image image-test clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,17 @@ bench-engine: setup
 
 bench-transfer: setup
 	$(VENV)/bin/disagg bench transfer --json runs/bench_transfer.json
+
+# The CPU deployment as an OCI image (debootstrap + buildah, vfs storage; needs root and Debian's buildah,
+# podman and debootstrap, installed here if missing) and its smoke test (podman, host network). Not part of
+# `make test`: ~10 min for the first build here (debootstrap cached in build/image), ~3 min for the test.
+image: setup
+	command -v buildah > /dev/null && command -v podman > /dev/null && command -v debootstrap > /dev/null || \
+	  (apt-get update -q && apt-get install -y -q buildah podman debootstrap)
+	sh scripts/image/build.sh
+
+image-test: setup
+	sh scripts/image/test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
