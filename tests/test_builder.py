@@ -96,3 +96,25 @@ def test_embedded_gguf_config(smollm2_dir: Path) -> None:
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.tie_word_embeddings and m.has_tokenizer
     assert (smollm2_dir / "tokenizer.json").is_file()
+
+
+def test_a_built_engine_is_readable_by_every_user(tiny, tmp_path: Path) -> None:
+    """A shared engine cache (an image's, built as root and served as another user) must be readable."""
+    folder, _ = tiny("llama")
+    out = build_engine(str(folder), tmp_path / "e", progress=False)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
+
+
+def test_a_copied_checkpoint_with_second_resolution_mtimes_reuses_the_cache(tiny, tmp_path: Path) -> None:
+    """Archives (an image's layers) keep mtimes to the second: the fingerprint must not see the nanoseconds."""
+    import os
+
+    folder, _ = tiny("llama")
+    out = build_engine(str(folder), tmp_path / "e", progress=False)
+    stamp = (out / "rank0.safetensors").stat().st_mtime_ns
+    for f in folder.iterdir():
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns // 10**9 * 10**9))  # what a tar round trip leaves
+    build_engine(str(folder), tmp_path / "e", progress=False)
+    assert (out / "rank0.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
