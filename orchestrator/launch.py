@@ -39,6 +39,7 @@ from orchestrator.triton import (
     port_free,
     remove_shm,
     shm_prefix,
+    stop_group,
     stub_environment,
     triton_command,
 )
@@ -324,13 +325,7 @@ class Launch:
             self.router.stop(grace)
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, grace)
         deadline = time.monotonic() + grace / 2
         while run_processes(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.2)

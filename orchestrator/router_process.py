@@ -4,10 +4,8 @@ by the launcher next to ``mpirun``; it runs on the launcher's host, bound like e
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -16,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
-from orchestrator.triton import REPO_ROOT
+from orchestrator.triton import REPO_ROOT, stop_group
 
 log = logging.getLogger("orchestrator.router")
 
@@ -78,14 +76,6 @@ class RouterProcess:
         return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, grace_s)
+            self.proc = None

@@ -119,6 +119,21 @@ def triton_command(
     ]
 
 
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session``), SIGKILL after ``grace_s``;
+    its exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -230,14 +245,7 @@ class TritonServer:
     def stop(self, timeout_s: float = 30.0) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        code = self.proc.returncode
+        code = stop_group(self.proc, timeout_s)
         self.proc = None
         remove_shm(self.shm_prefix)
         return code

@@ -59,6 +59,16 @@ def http_generate(srv: TritonServer, body: dict, stream: bool = False) -> tuple[
         return exc.code, exc.read().decode()
 
 
+def infer_inputs(inputs: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    kinds = {"object": "BYTES", "int32": "INT32", "float32": "FP32", "bool": "BOOL", "uint64": "UINT64"}
+    tensors = []
+    for name, arr in inputs.items():
+        t = grpcclient.InferInput(name, list(arr.shape), kinds[str(arr.dtype)])
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    return tensors
+
+
 def grpc_stream(
     srv: TritonServer,
     inputs: dict[str, np.ndarray],
@@ -69,17 +79,7 @@ def grpc_stream(
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    tensors = []
-    for name, arr in inputs.items():
-        dtype = (
-            "BYTES"
-            if arr.dtype == np.object_
-            else {"int32": "INT32", "float32": "FP32", "bool": "BOOL", "uint64": "UINT64"}[str(arr.dtype)]
-        )
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+    client.async_stream_infer(model, infer_inputs(inputs), enable_empty_final_response=True)
     pieces, errors = [], []
     while True:
         result, error = results.get(timeout=120)
@@ -275,13 +275,7 @@ def test_cancelling_an_ensemble_request_stops_it_on_the_decode_model(server: Tri
     inputs = trtllm_inputs("Write a long story about a dragon.", stream=True)
     inputs["max_tokens"] = np.array([[64]], dtype=np.int32)
     inputs["ignore_eos"] = np.array([[True]])
-    tensors = []
-    for name, arr in inputs.items():
-        dtype = {"object": "BYTES", "int32": "INT32", "float32": "FP32", "bool": "BOOL"}[str(arr.dtype)]
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    client.async_stream_infer("ensemble", tensors, request_id="cancel-me")
+    client.async_stream_infer("ensemble", infer_inputs(inputs), request_id="cancel-me")
     got.get(timeout=120)  # the first piece arrived
     client.stop_stream(cancel_requests=True)
     client.close()
