@@ -17,7 +17,7 @@ done
 CTR=$(buildah from "$IMAGE")
 RUN=$(buildah inspect --format '{{range .OCIv1.Config.Entrypoint}}{{.}} {{end}}{{range .OCIv1.Config.Cmd}}{{.}} {{end}}' "$CTR")
 HEALTH=$(buildah inspect --format '{{range .Docker.Config.Healthcheck.Test}}{{.}}{{"\n"}}{{end}}' "$CTR" | sed -n 2p)
-launcher() { pgrep -f "disagg launch configs/image.yaml" || true; }
+launcher() { pgrep -f "python[0-9.]* /opt/disagg/.venv/bin/disagg launch" || true; }  # not `buildah run` itself
 cleanup() {
   for pid in $(launcher); do kill -TERM "$pid" 2> /dev/null || true; done
   i=0; while [ -n "$(launcher)" ] && [ "$i" -lt 60 ]; do sleep 1; i=$((i + 1)); done
@@ -40,9 +40,12 @@ buildah run --network host "$CTR" -- sh -c "$HEALTH" && echo "[image-test] the i
 "$ROOT/.venv/bin/python" "$ROOT/scripts/image/check.py"
 cleanup
 trap - EXIT
-left() { ps -eo stat=,args= | awk '$1 !~ /^Z/' | grep -E "tritonserver|configs/image.yaml|frontend .*router.yaml" | grep -v grep || true; }
+left() {
+  ps -eo stat=,args= | awk '$1 !~ /^Z/' | grep -E "tritonserver|configs/image.yaml|frontend .*router.yaml" | grep -v grep || true
+  ls /dev/shm | grep "^disagg_" || true  # the Python backend's shared memory (the launcher removes what is left)
+}
 i=0; while [ -n "$(left)" ] && [ "$i" -lt 10 ]; do sleep 1; i=$((i + 1)); done  # exited processes not yet reaped
 if [ -n "$(left)" ]; then
   echo "[image-test] something is left running:" >&2; left >&2; exit 1
 fi
-echo "[image-test] stopped on SIGTERM; nothing left running"
+echo "[image-test] stopped on SIGTERM; nothing left running, no shared memory left"
