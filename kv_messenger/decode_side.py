@@ -13,7 +13,15 @@ if every sender closed having posted fewer than expected, the request fails at o
 posted all but some never arrived (a lost write), the deadline fails it. A notification whose epoch is not the request's
 current epoch is rejected (counted in ``stale``). A failed or aborted request's pages are
 reported ``releasable`` only when no write can still land: every sender has sent FIN or
-ABORTED for that epoch, or ``grace_s`` has passed since the failure.
+ABORTED for that epoch, or ``grace_s`` has passed since the failure. REFUSED (the prefill group
+refused the request before any rank started it) fails the request at once with the group's reason
+and closes every sender.
+
+Failover (``abandon``): the current epoch is aborted (ABORTED to its senders) and kept as a
+*fence* keyed by (request, epoch) while a new epoch of the same request may start; its writes
+are still counted against the fence, which is reported in ``lifted`` once every sender closed
+it or ``grace_s`` passed. Invariant: a page named in an epoch is reused only after that epoch
+is over (ready, or releasable / lifted).
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class DecodePoll:
     ready: list[str]
     failed: list[tuple[str, str]]  # (request id, error)
     releasable: list[str]  # failed / aborted requests whose pages can be reused now
+    lifted: list[tuple[str, int]] = field(default_factory=list)  # abandoned epochs no write can land in any more
 
 
 class DecodeSide:
@@ -83,6 +92,7 @@ class DecodeSide:
             transport.register([self.meta])
         self._prefill: dict[str, RankEndpoint] = {}
         self._jobs: dict[str, _Expect] = {}
+        self._fences: dict[tuple[str, int], _Expect] = {}  # abandoned epochs (failover) until no write can land
         self.stale = 0
 
     def endpoint(self) -> RankEndpoint:
@@ -133,6 +143,23 @@ class DecodeSide:
         """Drop a request whose senders never heard of it (its prefill request was not delivered)."""
         self._jobs.pop(request_id, None)
 
+    def abandon(self, request_id: str) -> int | None:
+        """Failover: stop waiting for the current epoch and keep it as a fence (reported in
+        ``lifted`` when no write can land); returns its epoch, or None if nothing waits."""
+        job = self._jobs.get(request_id)
+        if job is None or job.state is not DecodeJobState.WAITING:
+            return None
+        del self._jobs[request_id]
+        self._end(job, DecodeJobState.ABORTED, "abandoned")
+        self._fences[(request_id, job.epoch)] = job
+        for agent in job.senders - job.closed:
+            self.transport.send_notif(agent, Notification(NotifKind.ABORTED, request_id, job.epoch, 0).encode())
+        return job.epoch
+
+    def live(self) -> int:
+        """Requests and fences this side still tracks (tests of bounded state)."""
+        return len(self._jobs) + len(self._fences)
+
     def abort(self, request_id: str) -> None:
         """Stop waiting; tell the senders. Pages become releasable once no write can land."""
         job = self._jobs.get(request_id)
@@ -172,7 +199,10 @@ class DecodeSide:
                 if job.senders <= job.closed or now > job.ended_at + self.grace_s:
                     releasable.append(job.request_id)
                     del self._jobs[job.request_id]
-        return DecodePoll(ready, failed, releasable)
+        lifted = [k for k, f in self._fences.items() if f.senders <= f.closed or now > f.ended_at + self.grace_s]
+        for key in lifted:
+            del self._fences[key]
+        return DecodePoll(ready, failed, releasable, lifted)
 
     def _end(self, job: _Expect, state: DecodeJobState, error: str) -> None:
         job.state, job.error, job.ended_at = state, f"request {job.request_id}: {error}", self.clock()
@@ -180,9 +210,15 @@ class DecodeSide:
     def _on_notification(self, agent: str, note: Notification) -> None:
         job = self._jobs.get(note.request_id)
         if job is None or job.epoch != note.epoch:
-            self.stale += 1  # an old epoch (or a request already released): never counted
-            return
-        if note.kind in (NotifKind.KV, NotifKind.META):
+            job = self._fences.get((note.request_id, note.epoch))
+            if job is None:
+                self.stale += 1  # an old epoch (or a request already released): never counted
+                return
+        if note.kind is NotifKind.REFUSED:  # nobody of that group will write: fail now, with its reason
+            job.closed |= job.senders
+            if job.state is DecodeJobState.WAITING:
+                self._end(job, DecodeJobState.FAILED, f"refused by the prefill group: {note.reason}")
+        elif note.kind in (NotifKind.KV, NotifKind.META):
             if job.state is DecodeJobState.WAITING:
                 job.got += note.count
                 if job.got > job.expected:

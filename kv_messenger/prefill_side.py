@@ -4,7 +4,16 @@ Per request (``PrefillJobState``, ordered):
 
     STREAMING ──last chunk scheduled──> DRAINING ──every posted write done, FIN sent──> DONE
         └──────────abort (local, or an ABORTED notification from the decoder)──────> ABORTED
+        └──────────the request's deadline (arrival + ``ttl_s``) passed────────────────> ABORTED
     any ──a write FAILED──> FAILED
+
+Fencing (the decoder reuses a page only when every sender confirmed it will write no more):
+every job ends with FIN or ABORTED (``count`` = writes posted) to each decode rank; an ABORTED
+for an epoch this rank does not hold (the prefill request has not arrived, or never will) is
+answered with ABORTED (count 0) at once and remembered as a tombstone for ``tombstone_s``, so
+that request is refused if it arrives late; a job past its deadline posts nothing more (writes
+still in flight are cancelled) and closes. A request refused before any rank started it is
+answered with REFUSED (``refuse``): the decoder fails it with the reason at once.
 
 Queues: ``jobs`` (request id -> job); per job, ``pending`` batches ``(forward pass, pages)`` in
 step order, and ``inflight`` transfer handles. The engine thread calls ``schedule`` *before* a
@@ -25,7 +34,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,7 +86,7 @@ class _Job:
     state: PrefillJobState = PrefillJobState.STREAMING
     pending: deque[_Batch] = field(default_factory=deque)
     queued_pages: int = 0  # pages [0, queued_pages) are in some batch
-    inflight: list[tuple[object, int]] = field(default_factory=list)  # (handle, decode rank)
+    inflight: list[tuple[object, int, int]] = field(default_factory=list)  # (handle, decode rank, writes)
     posted: dict[int, int] = field(default_factory=dict)  # decode rank -> writes posted
     meta: torch.Tensor | None = None
     meta_posted: bool = False
@@ -85,6 +94,7 @@ class _Job:
     bytes_posted: int = 0
     prefill_done: bool = False  # the engine finished the request's prefill (set by ``prefill_done``)
     error: str | None = None
+    deadline: float = float("inf")  # past it, nothing more is posted and the job closes ABORTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +117,8 @@ class PrefillSide:
         poll_interval_s: float = 0.0005,
         stream_layers: bool = True,
         layers_per_post: int = 1,
+        tombstone_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if len(pools) != layout.num_layers:
             raise ValueError(f"{len(pools)} pools for {layout.num_layers} layers")
@@ -127,6 +139,10 @@ class PrefillSide:
         self._peer_pools: dict[str, tuple[list[int], int]] = {}  # agent -> (layer base addresses, page bytes)
         self._page_bytes = layout.page_bytes
         self._jobs: dict[str, _Job] = {}
+        self.tombstone_s = tombstone_s
+        self.clock = clock
+        self._tombstones: dict[tuple[str, int], float] = {}  # (request, epoch) aborted before it arrived -> expiry
+        self.expired = 0  # jobs closed by their deadline
         self._done: deque[PrefillOutcome] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -169,8 +185,10 @@ class PrefillSide:
         template: dict[int, list[PageWrite]] = {}
         for w in plan_writes(self.layout, dst_layout, [(0, 0)], req.seed).for_source(self.layout.tp_rank):
             template.setdefault(w.dst_rank, []).append(w)
-        job = _Job(req, [], template, n_pages)
+        job = _Job(req, [], template, n_pages, deadline=self.clock() + req.ttl_s)
         with self._lock:
+            if (req.request_id, req.epoch) in self._tombstones:
+                raise ValueError(f"request {req.request_id} epoch {req.epoch}: the decoder aborted it before it came")
             old = self._jobs.get(req.request_id)
             if old is not None and old.req.epoch >= req.epoch:
                 raise ValueError(f"request {req.request_id} epoch {req.epoch} is not newer than {old.req.epoch}")
@@ -223,6 +241,18 @@ class PrefillSide:
             if job is not None and job.state < PrefillJobState.DONE:
                 job.state = PrefillJobState.ABORTED
 
+    def refuse(self, req: PrefillRequest, reason: str) -> None:
+        """The group refuses ``req`` before any rank started it: tell every decode rank, with the reason."""
+        note = Notification(NotifKind.REFUSED, req.request_id, req.epoch, 0, reason).encode()
+        for agent in req.decode_ranks:
+            if agent in self._peers:
+                self.transport.send_notif(agent, note)
+
+    def tombstones(self) -> int:
+        """Aborted epochs remembered (tests of bounded state)."""
+        with self._lock:
+            return len(self._tombstones)
+
     def busy(self) -> bool:
         """Some request is still being sent (or its completion not yet collected)."""
         with self._lock:
@@ -271,18 +301,39 @@ class PrefillSide:
 
     def _control(self) -> bool:
         msgs = self.transport.notifications()
-        for _, raw in msgs:
+        now = self.clock()
+        for agent, raw in msgs:
             note = Notification.decode(raw)
-            if note.kind is NotifKind.ABORTED:
-                with self._lock:
-                    job = self._jobs.get(note.request_id)
-                    if job is not None and job.req.epoch == note.epoch and job.state < PrefillJobState.DONE:
-                        job.state = PrefillJobState.ABORTED
+            if note.kind is not NotifKind.ABORTED:
+                continue
+            with self._lock:
+                job = self._jobs.get(note.request_id)
+                if job is not None and job.req.epoch == note.epoch:
+                    if job.state < PrefillJobState.DONE:
+                        job.state = PrefillJobState.ABORTED  # closes with ABORTED (count) once nothing is in flight
+                    continue
+                if job is not None and job.req.epoch > note.epoch:
+                    continue  # an older epoch than the one this rank holds: it was closed already
+                self._tombstones[(note.request_id, note.epoch)] = now + self.tombstone_s
+            reply = Notification(NotifKind.ABORTED, note.request_id, note.epoch, 0)  # never started: nothing posted
+            if agent in self._peers:
+                self.transport.send_notif(agent, reply.encode())
+        if self._tombstones:
+            with self._lock:
+                for key in [k for k, t in self._tombstones.items() if t < now]:
+                    del self._tombstones[key]
         return bool(msgs)
 
     def _advance(self, job: _Job) -> bool:
         """Post what is ready, collect finished writes, close the job when over; True if anything moved."""
         moved = False
+        if job.state < PrefillJobState.DONE and self.clock() > job.deadline:
+            job.state, job.error = PrefillJobState.ABORTED, f"request {job.req.request_id}: deadline passed"
+            for handle, _, _ in job.inflight:  # cancel what is still in flight; nothing more goes out
+                self.transport.release(handle)
+            job.inflight = []
+            self.expired += 1
+            moved = True
         if job.state in (PrefillJobState.STREAMING, PrefillJobState.DRAINING) and self._may_send(job):
             while job.pending:
                 batch = job.pending[0]
@@ -306,14 +357,15 @@ class PrefillSide:
                 self._post_meta(job)
                 moved = True
         still = []
-        for handle, rank in job.inflight:
+        for handle, rank, count in job.inflight:
             st = self.transport.state(handle)
             if st is TransferState.PENDING:
-                still.append((handle, rank))
+                still.append((handle, rank, count))
                 continue
             self.transport.release(handle)
             moved = True
-            if st is TransferState.FAILED:
+            if st is TransferState.FAILED:  # none of its writes landed: FIN / ABORTED will not count them
+                job.posted[rank] -= count
                 job.state, job.error = PrefillJobState.FAILED, f"a KV write to decode rank {rank} failed"
         job.inflight = still
         if not job.inflight and self._finished(job):
@@ -351,7 +403,9 @@ class PrefillSide:
             counts[d] = len(ranges[d])
         for d, rs in ranges.items():
             note = Notification(NotifKind.KV, job.req.request_id, job.req.epoch, counts[d])  # planned writes
-            job.inflight.append((self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d))
+            job.inflight.append(
+                (self.transport.write(job.req.decode_ranks[d], _coalesce(rs), note.encode()), d, counts[d])
+            )
             job.posted[d] = job.posted.get(d, 0) + counts[d]
             nbytes = int(rs[:, 2].sum())
             job.bytes_posted += nbytes
@@ -370,7 +424,7 @@ class PrefillSide:
         dst = ep.meta_addr + job.req.meta_slot * ep.meta_slot_bytes
         note = Notification(NotifKind.META, job.req.request_id, job.req.epoch, 1)
         rng = [(self._staging[slot].data_ptr(), dst, job.meta.numel())]
-        job.inflight.append((self.transport.write(ep.agent, rng, note.encode()), 0))
+        job.inflight.append((self.transport.write(ep.agent, rng, note.encode()), 0, 1))
         job.posted[0] = job.posted.get(0, 0) + 1
 
     def _close(self, job: _Job) -> None:

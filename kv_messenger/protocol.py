@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import enum
 from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,6 +71,7 @@ class PrefillRequest(_Msg):
     decode_ranks: list[str]  # agent names of the decode group's ranks, by rank
     seed: int = 0  # picks source replicas in the shard plan; both sides compute the same plan
     meta_slot: int | None = None  # decode leader's metadata slot, or None for no metadata
+    ttl_s: float = Field(default=60.0, gt=0)  # the job expires this long after it reaches the prefill node
 
 
 class NotifKind(enum.Enum):
@@ -77,6 +79,7 @@ class NotifKind(enum.Enum):
     META = "m"  # the metadata write landed (counts as one write)
     FIN = "f"  # the sender finished the request having posted ``count`` writes to this rank
     ABORTED = "a"  # the sender stopped the request; ``count`` writes were posted before it stopped
+    REFUSED = "r"  # the prefill group refused the request before any rank started it: nobody writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +88,23 @@ class Notification:
     request_id: str
     epoch: int
     count: int
+    reason: str = ""  # REFUSED: why
 
     def encode(self) -> bytes:
-        return f"{self.kind.value}|{self.request_id}|{self.epoch}|{self.count}".encode()
+        head = f"{self.kind.value}|{self.request_id}|{self.epoch}|{self.count}"
+        if self.kind is NotifKind.REFUSED:
+            head += "|" + quote(self.reason, safe="")
+        return head.encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Notification:
         try:
-            kind, rest = raw.decode().split("|", 1)
-            rid, epoch, count = rest.rsplit("|", 2)  # request ids may contain '|'
-            return cls(NotifKind(kind), rid, int(epoch), int(count))
+            kind_s, rest = raw.decode().split("|", 1)
+            kind = NotifKind(kind_s)
+            if kind is NotifKind.REFUSED:
+                rid, epoch, count, reason = rest.rsplit("|", 3)  # request ids may contain '|'
+                return cls(kind, rid, int(epoch), int(count), unquote(reason))
+            rid, epoch, count = rest.rsplit("|", 2)
+            return cls(kind, rid, int(epoch), int(count))
         except (ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"malformed notification {raw!r}") from exc

@@ -24,6 +24,7 @@ from kv_messenger.decode_side import DecodeSide
 from kv_messenger.layout import PROTOCOL_VERSION
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.protocol import RankEndpoint
+from kv_messenger.transport.base import FaultInjector
 from kv_messenger.transport.nixl import NixlTransport
 from serving.kv_links import engine_layout
 from serving.node_config import NodeConfig
@@ -130,7 +131,7 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
         init_method=f"tcp://{lead.host}:{lead.tp_port}",
         rank=node.tp_rank,
         world_size=node.tp_size,
-        timeout=datetime.timedelta(hours=24),  # idle decode groups wait in a broadcast; death is seen at once
+        timeout=datetime.timedelta(seconds=node.timeouts.tp_collective_s),  # idle groups heartbeat every second
     )
     return TPGroup(node.tp_rank, node.tp_size)
 
@@ -138,14 +139,19 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
 def _messenger_side(node: NodeConfig, engine: LLMEngine) -> PrefillSide | DecodeSide | None:
     """This rank's messenger side with its own NIXL agent. No metadata slots: nothing in a deployment
     consumes the prefill's last hidden state / logits yet (speculative decoding will)."""
+    if node.role is Role.COLOCATED:
+        return None
+    faults = FaultInjector(fail_rate=node.transport.fault_write_fail_rate, seed=node.mpi_rank or 0)
+    transport = NixlTransport(node.agent_name, node.transport.backend, faults=faults)
+    t = node.timeouts
     if node.role is Role.PREFILL:
-        transport = NixlTransport(node.agent_name, node.transport.backend)
-        layout = engine_layout(engine)
         return PrefillSide(
-            transport, layout, engine.kv.pools, engine.progress, 0, layers_per_post=node.transport.layers_per_post
+            transport,
+            engine_layout(engine),
+            engine.kv.pools,
+            engine.progress,
+            0,
+            layers_per_post=node.transport.layers_per_post,
+            tombstone_s=t.prefill_tombstone_s,
         )
-    if node.role is Role.DECODE:
-        return DecodeSide(
-            NixlTransport(node.agent_name, node.transport.backend), engine_layout(engine), engine.kv.pools
-        )
-    return None
+    return DecodeSide(transport, engine_layout(engine), engine.kv.pools, grace_s=t.fence_grace_s)

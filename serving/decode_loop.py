@@ -68,9 +68,11 @@ class DecodeLoop(ServingLoop[_Submit | str]):
         kv: KVSource | None = None,
         on_exit: Callable[[], None] | None = None,
         kv_poll_s: float = 0.0005,
+        heartbeat: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(on_exit)
         self.engine = engine
+        self.heartbeat = heartbeat  # colocated TP leaders: keep idle followers' collectives within their timeout
         self.on_step = on_step
         self.kv = kv
         self.idle_wait_s = idle_wait_s
@@ -143,6 +145,8 @@ class DecodeLoop(ServingLoop[_Submit | str]):
                 else:
                     self._call(self._callbacks[out.request_id], delta)
             self._report()
+        elif self.heartbeat is not None:
+            self.heartbeat()
 
     def _report(self) -> None:
         if self.on_step is not None:

@@ -3,7 +3,11 @@
 ``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
 
     admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
-    SENT ──the call failed (group down / refused)──> another group (same pages, new epoch) or FAILED
+    SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
+    SENT ──the call timed out / broke (the group may have taken it)──> the epoch is abandoned (its
+          senders told to abort, its pages fenced) -> another group on fresh pages, or on the same
+          pages once the fence lifts; or FAILED (pages back once no write can land)
+    SENT ──the prefill group refused it after the call (REFUSED notification)──> FAILED with its reason
     SENT ──every rank of the decode group counted all writes──> READY (joins the batch)
     SENT ──transfer timed out / prefill stopped short──> FAILED (pages freed once no write can land)
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kv_messenger.protocol import PrefillRequest
 from serving.kv_links import DecodeLink
-from serving.prefill_client import CallerFactory, PrefillCaller, PrefillGroup, Reply
+from serving.prefill_client import CallerFactory, Delivery, PrefillCaller, PrefillGroup, Reply
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupDecodeSide
 from serving.trace import Tracer
@@ -82,6 +86,11 @@ class KVFetcher:
     def tick(self) -> list[tuple[str, str]]:
         failures = self._replies_in()
         polled = self.link.poll()
+        for req in self.link.retries():  # failovers whose fence lifted
+            p = self._pending.get(req.request_id)
+            if p is not None:
+                p.epoch = req.epoch
+                self._send(p.group, req)
         for rid in polled.ready:
             p = self._pending.pop(rid, None)
             if p is not None:
@@ -131,20 +140,35 @@ class KVFetcher:
                 assert r.load_tokens is not None
                 self.router.reported(r.group, r.load_tokens)
                 continue
-            log.warning("prefill group %d refused %s: %s", r.group, r.request_id, r.error)
-            self.router.failed(r.group, r.request_id)
+            log.warning("prefill group %d: %s failed (%s): %s", r.group, r.request_id, r.delivery.name, r.error)
+            if r.delivery is Delivery.REFUSED:  # this request's problem, not the group's: no cool-down
+                self.router.finished(r.group, r.request_id)
+            else:
+                self.router.failed(r.group, r.request_id)
+            maybe_taken = r.delivery is Delivery.UNKNOWN
             try:
                 g = self.router.pick(exclude=p.tried)
             except NoPrefillGroup:
                 error = f"request {r.request_id}: no prefill group could take it (last error: {r.error})"
                 self._pending.pop(r.request_id)
-                self.link.fail_undelivered(r.request_id, error)
+                if maybe_taken:
+                    self.link.fail(r.request_id, error)  # pages back once no write can land
+                else:
+                    self.link.fail_undelivered(r.request_id, error)
                 failures.append((r.request_id, error))
                 continue
-            req = self.link.retarget(r.request_id, self.groups[g].agents, _seed(r.request_id))
-            p.group, p.epoch = g, req.epoch
+            p.group = g
             p.tried.add(g)
-            self._send(g, req)
+            agents = self.groups[g].agents
+            if maybe_taken:
+                moved = self.link.failover(r.request_id, agents)  # None: waits for the fence (or landed)
+                if moved is not None:
+                    p.epoch = moved.epoch
+                    self._send(g, moved)
+            else:
+                req = self.link.retarget(r.request_id, agents)
+                p.epoch = req.epoch
+                self._send(g, req)
 
 
 def _seed(request_id: str) -> int:

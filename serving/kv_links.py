@@ -30,7 +30,7 @@ from torch_engine.config import DType
 from torch_engine.connector import ConnectorPoll
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
-from torch_engine.sampling import SamplingParams
+from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -79,13 +79,18 @@ class PrefillLink:
         engine.attach(self)
 
     def submit(self, req: PrefillRequest) -> None:
+        """``InvalidRequestError`` when the engine or the messenger refuses it (nothing was started)."""
         self.engine.add_request(
             req.prompt_ids,
             request_id=req.request_id,
             kind=RequestKind.PREFILL_ONLY,
             want_last_hidden=req.meta_slot is not None,
         )
-        self.side.submit(req)
+        try:
+            self.side.submit(req)
+        except ValueError as exc:
+            self.engine.retire(req.request_id)
+            raise InvalidRequestError(str(exc)) from None
         self._jobs[req.request_id] = _Source(wants_meta=req.meta_slot is not None)
 
     def before_step(self, sched: SchedulerOutput) -> None:
@@ -149,14 +154,25 @@ class PrefillLink:
 class _Destination:
     """A decode request whose destination pages this link holds until no write can land."""
 
-    pages: list[int]
+    pages: list[int] | None  # the current epoch's pages (pinned); None once they were handed on
     prompt_ids: list[int]
     epoch: int = -1
     slot: int | None = None
+    fences: dict[int, list[int]] = field(default_factory=dict)  # abandoned epoch -> its pages, still pinned
+    fenced_slots: dict[int, int] = field(default_factory=dict)  # abandoned epoch -> its metadata slot
+    retry: list[str] | None = None  # failover waiting for the fence on its own pages: the next senders
+    seed: int = 0
 
 
 class DecodeLink:
-    """Decode-side connector (``KVConnector[ConnectorPoll]``)."""
+    """Decode-side connector (``KVConnector[ConnectorPoll]``).
+
+    Pages are pinned from ``start`` until no write of the epoch that named them can land: ready
+    (the engine takes them over), releasable (failed / aborted, every sender closed or the grace
+    passed) or, for an epoch abandoned by ``failover``, lifted. ``failover`` moves the request to
+    fresh pages when the pool has them (the new senders start at once) and otherwise waits for
+    the abandoned epoch's fence before its pages are named again.
+    """
 
     def __init__(
         self,
@@ -173,6 +189,7 @@ class DecodeLink:
         self._slots = list(range(side.meta_slots))
         self._jobs: dict[str, _Destination] = {}
         self._meta: dict[str, torch.Tensor] = {}  # landed metadata, until ``take_metadata``
+        self._retries: list[PrefillRequest] = []  # failovers whose fence lifted: to send
 
     def start(
         self,
@@ -187,32 +204,62 @@ class DecodeLink:
         rid, pages = self.engine.reserve_for_kv(prompt_ids, params, request_id)
         self.engine.pin_pages(pages)  # held until no write can land, whatever the engine does
         slot = self._slots.pop() if meta and self._slots else None
-        self._jobs[rid] = _Destination(pages, list(prompt_ids), slot=slot)
+        self._jobs[rid] = _Destination(pages, list(prompt_ids), slot=slot, seed=seed)
         try:
-            return self._expect(rid, seed, prefill_agents or self.prefill_agents)
+            return self._expect(rid, prefill_agents or self.prefill_agents)
         except ValueError:  # e.g. senders not connected: nothing was sent, undo the reservation
             self._drop(rid)
             self.engine.retire(rid)
             raise
 
-    def retarget(self, request_id: str, prefill_agents: list[str], seed: int = 0) -> PrefillRequest:
-        """The prefill request never reached its group (the call failed): same pages, a new epoch,
-        other senders. Only for requests whose transfer cannot have started."""
+    def retarget(self, request_id: str, prefill_agents: list[str]) -> PrefillRequest:
+        """The prefill request provably never reached its group (it was refused, or the connection
+        was never made): same pages, a new epoch, other senders."""
         self.side.forget(request_id)
-        return self._expect(request_id, seed, prefill_agents)
+        return self._expect(request_id, prefill_agents)
 
-    def _expect(self, rid: str, seed: int, prefill_agents: list[str]) -> PrefillRequest:
+    def failover(self, request_id: str, prefill_agents: list[str]) -> PrefillRequest | None:
+        """The first group may have accepted the request (a timeout, a broken call): abandon its
+        epoch (it is told to abort; its pages stay fenced) and start a new one on fresh pages —
+        returned to send now — or, with too few free pages, on the same pages once the fence
+        lifts (returned later by ``retries``)."""
+        job = self._jobs[request_id]
+        assert job.pages is not None, "failover of a request whose pages were handed on"
+        epoch = self.side.abandon(request_id)
+        if epoch is None:  # nothing was waiting (it landed or failed meanwhile): nothing to move
+            return None
+        if job.slot is not None:  # a late metadata write may still land in the old slot
+            job.fenced_slots[epoch] = job.slot
+            job.slot = self._slots.pop() if self._slots else None
+        try:
+            fresh = self.engine.replace_kv_pages(request_id)
+        except InvalidRequestError:
+            job.fences[epoch] = job.pages
+            job.retry = list(prefill_agents)
+            return None
+        self.engine.pin_pages(fresh)
+        job.fences[epoch], job.pages = job.pages, fresh
+        return self._expect(request_id, prefill_agents)
+
+    def retries(self) -> list[PrefillRequest]:
+        """Failovers whose fence lifted since the last call: send these now."""
+        out, self._retries = self._retries, []
+        return out
+
+    def _expect(self, rid: str, prefill_agents: list[str]) -> PrefillRequest:
         job = self._jobs[rid]
+        assert job.pages is not None
         job.epoch += 1
-        self.side.expect(rid, job.epoch, prefill_agents, len(job.pages), seed, job.slot is not None, self.timeout_s)
+        self.side.expect(rid, job.epoch, prefill_agents, len(job.pages), job.seed, job.slot is not None, self.timeout_s)
         return PrefillRequest(
             request_id=rid,
             epoch=job.epoch,
             prompt_ids=job.prompt_ids,
             dst_pages=job.pages,
             decode_ranks=self.decode_agents,
-            seed=seed,
+            seed=job.seed,
             meta_slot=job.slot,
+            ttl_s=self.timeout_s,
         )
 
     def waiting(self) -> bool:
@@ -223,14 +270,25 @@ class DecodeLink:
         """Requests this link still holds (tests of bounded state)."""
         return len(self._jobs) + len(self._meta)
 
+    def fenced(self) -> dict[str, list[int]]:
+        """Pages held by abandoned epochs, by request (metrics, tests)."""
+        return {rid: [p for pages in j.fences.values() for p in pages] for rid, j in self._jobs.items() if j.fences}
+
     def take_metadata(self, request_id: str) -> torch.Tensor | None:
         """The prefill's last hidden state + logits (fp32, concatenated) of a ready request, once."""
         return self._meta.pop(request_id, None)
 
     def fail_undelivered(self, request_id: str, error: str) -> None:
-        """The prefill request could not be delivered anywhere: no write can come; free everything now."""
+        """The prefill request provably reached no group: no write can come; free its pages now
+        (fences of earlier epochs stay until they lift)."""
         self.side.forget(request_id)
-        self._drop(request_id)
+        self._hand_on(request_id)
+        self.engine.kv_failed(request_id, error)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """Give up on a request whose current senders may have accepted it: abort their epoch and
+        fail it now; its pages come back once no write can land (``releasable``)."""
+        self.side.abort(request_id)
         self.engine.kv_failed(request_id, error)
 
     def poll(self) -> ConnectorPoll:
@@ -238,28 +296,61 @@ class DecodeLink:
         failed and releasable."""
         polled = self.side.poll()
         for rid in polled.ready:
-            job = self._drop(rid, keep_slot=True)
+            job = self._jobs.get(rid)
             if job is not None and job.slot is not None:
                 n = metadata_bytes(self.engine)
                 self._meta[rid] = self.side.meta_slot(job.slot)[:n].view(torch.float32).clone()
-                self._slots.append(job.slot)
+            self._hand_on(rid)
             self.engine.kv_ready(rid)
         for rid, error in polled.failed:
             self.engine.kv_failed(rid, error)  # pages stay pinned (not reusable) until releasable
         for rid in polled.releasable:
-            self._drop(rid)
+            self._hand_on(rid)
+        for rid, epoch in polled.lifted:
+            self._lift(rid, epoch)
         return ConnectorPoll(list(polled.ready), list(polled.failed), list(polled.releasable))
 
     def abort(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None and job.retry is not None:  # cancelled while waiting for a fence: no new epoch
+            job.retry = None
+            job.pages = None  # the fence holds them; they come back when it lifts
         self.side.abort(request_id)
         self.engine.abort(request_id)
 
-    def _drop(self, rid: str, keep_slot: bool = False) -> _Destination | None:
-        """Forget a request: its pages may be reused (once the engine frees them), its slot too."""
-        job = self._jobs.pop(rid, None)
+    def _lift(self, rid: str, epoch: int) -> None:
+        job = self._jobs.get(rid)
         if job is None:
-            return None
-        self.engine.unpin_pages(job.pages)
-        if job.slot is not None and not keep_slot:
+            return
+        pages = job.fences.pop(epoch, None)
+        slot = job.fenced_slots.pop(epoch, None)
+        if slot is not None:
+            self._slots.append(slot)
+        if job.retry is not None and pages is job.pages:  # failover waiting for its own pages: go now
+            agents, job.retry = job.retry, None
+            self._retries.append(self._expect(rid, agents))
+        elif pages is not None:
+            self.engine.unpin_pages(pages)
+        self._maybe_drop(rid)
+
+    def _hand_on(self, rid: str) -> None:
+        """The current epoch is over: its pages are the engine's alone now (ready, or freed)."""
+        job = self._jobs.get(rid)
+        if job is None:
+            return
+        if job.pages is not None:
+            self.engine.unpin_pages(job.pages)
+            job.pages = None
+        if job.slot is not None:
             self._slots.append(job.slot)
-        return job
+            job.slot = None
+        self._maybe_drop(rid)
+
+    def _maybe_drop(self, rid: str) -> None:
+        job = self._jobs[rid]
+        if job.pages is None and not job.fences:
+            del self._jobs[rid]
+
+    def _drop(self, rid: str) -> None:
+        """Undo a reservation that never went out."""
+        self._hand_on(rid)

@@ -9,6 +9,8 @@ for decode. Every problem is an ``InvalidRequestError`` naming the input.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections.abc import Callable
 
 import numpy as np
@@ -144,3 +146,17 @@ def _logprobs(get: Getter) -> int | None:
             raise InvalidRequestError("top_logprobs needs return_log_probs=true")
         return None
     return int(top) if top is not None else 0  # type: ignore[call-overload]
+
+
+class RequestIds:
+    """Engine request ids on one decode node: ``CLIENT#N.NODE-BOOT``. Clients may send the same id
+    (or none); the counter makes ids unique on the node, the node's name and a random boot tag make
+    them unique across the nodes they travel to (prefill groups key their jobs by them) and across
+    restarts of the node."""
+
+    def __init__(self, node: str) -> None:
+        self._tag = f"{node}-{secrets.token_hex(3)}"
+        self._n = itertools.count()
+
+    def next(self, client: str = "") -> str:
+        return f"{client or 'triton'}#{next(self._n)}.{self._tag}"

@@ -53,7 +53,8 @@ def decode_loop(node: NodeConfig, on_step: StepHook | None = None) -> tuple[Deco
         if kv is not None:
             kv.close()
 
-    return DecodeLoop(rank.engine, on_step=on_step, kv=kv, on_exit=on_exit), tracer
+    heartbeat = (lambda: channel.sync(False)) if kv is None and channel.tp.size > 1 else None  # colocated TP
+    return DecodeLoop(rank.engine, on_step=on_step, kv=kv, on_exit=on_exit, heartbeat=heartbeat), tracer
 
 
 def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None) -> PrefillLoop:

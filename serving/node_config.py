@@ -27,8 +27,27 @@ class RequestLimits(_Frozen):
 
 
 class RequestTimeouts(_Frozen):
-    kv_transfer_s: float = Field(default=60.0, gt=0, description="reserve -> all KV landed")
+    """Every wait on the request path, declared once (the cluster config's ``timeouts:``)."""
+
+    kv_transfer_s: float = Field(
+        default=60.0, gt=0, description="reserve -> all KV landed; also the prefill job's deadline from its arrival"
+    )
     prefill_request_s: float = Field(default=10.0, gt=0, description="one prefill request call")
+    fence_grace_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="pages of a failed / abandoned transfer come back this long after it ended if a sender never "
+        "confirmed it stopped (a dead prefill node)",
+    )
+    prefill_tombstone_s: float = Field(
+        default=600.0, gt=0, description="a prefill node refuses an epoch the decoder aborted before it arrived"
+    )
+    tp_collective_s: float = Field(
+        default=300.0,
+        ge=5,
+        description="one TP-group broadcast / gather (idle groups heartbeat every second): a stuck rank fails the "
+        "group instead of wedging it",
+    )
 
 
 class NodeConfig(_Frozen):

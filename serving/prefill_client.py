@@ -5,6 +5,7 @@ the engine loop thread; ``Caller`` is the seam tests replace with a fake.
 
 from __future__ import annotations
 
+import enum
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ class PrefillGroup:
     agents: list[str]  # by TP rank
 
 
+class Delivery(enum.IntEnum):
+    """What a failed call says about the request (ordered: worse is larger)."""
+
+    REFUSED = 0  # the prefill node's model answered with an error: it did not take this request
+    UNREACHED = 1  # no connection was made: the request never left this process
+    UNKNOWN = 2  # a timeout or a broken call: the node may have taken it and may still write
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     group: int
@@ -35,6 +44,23 @@ class Reply:
     epoch: int
     load_tokens: int | None
     error: str | None
+    delivery: Delivery = Delivery.REFUSED  # with an error: may the group still write?
+
+
+_ANSWERED = {"StatusCode.INTERNAL", "StatusCode.INVALID_ARGUMENT"}  # the model's own error response
+
+
+def delivery_of(exc: InferenceServerException) -> Delivery:
+    """Only errors that are the node's own answer, or a connection that was never made, prove the
+    request was not taken; anything else (deadline, reset, cancelled) may have reached the model."""
+    status, message = str(exc.status()), exc.message() or ""
+    if status in _ANSWERED:
+        return Delivery.REFUSED
+    if status == "StatusCode.NOT_FOUND" or (
+        status == "StatusCode.UNAVAILABLE" and "failed to connect" in message.lower()
+    ):
+        return Delivery.UNREACHED  # no such model there (not loaded), or no connection
+    return Delivery.UNKNOWN
 
 
 class PrefillCaller:
@@ -53,14 +79,14 @@ class PrefillCaller:
         done = partial(self._done, req.request_id, req.epoch)
         try:
             self.client.async_infer(Model.PREFILL, [inp], done, outputs=[out], client_timeout=self.timeout_s)
-        except InferenceServerException as exc:
-            self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, str(exc)))
+        except InferenceServerException as exc:  # raised before the call went out
+            self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, str(exc), Delivery.UNREACHED))
 
     def _done(
         self, request_id: str, epoch: int, result: grpcclient.InferResult, error: InferenceServerException | None
     ) -> None:
         if error is not None:
-            self.replies.put(Reply(self.group.group, request_id, epoch, None, str(error)))
+            self.replies.put(Reply(self.group.group, request_id, epoch, None, str(error), delivery_of(error)))
             return
         load = result.as_numpy(Tensor.LOAD_TOKENS)
         self.replies.put(Reply(self.group.group, request_id, epoch, int(load.reshape(-1)[0]), None))

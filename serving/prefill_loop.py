@@ -54,6 +54,7 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         self.idle_wait_s = idle_wait_s
         self._started: dict[str, float] = {}
         self._outstanding: dict[str, int] = {}
+        self.refused = 0  # requests refused after the call was accepted
         self._lock = threading.Lock()
         self.side.start()
         self._start()
@@ -100,11 +101,13 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
     def _admit(self, item: PrefillRequest) -> None:
         try:
             self.link.submit(item)
-        except InvalidRequestError:
-            log.exception("prefill request %s refused by the engine", item.request_id)
+        except InvalidRequestError as exc:  # refused after the call was accepted: the decoder hears why, now
+            log.warning("prefill request %s epoch %d refused: %s", item.request_id, item.epoch, exc)
+            self.side.refuse(item, str(exc))
             with self._lock:
                 self._outstanding.pop(item.request_id, None)
                 self._started.pop(item.request_id, None)
+            self.refused += 1
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished()

@@ -66,6 +66,11 @@ class ForgetCmd:
 
 
 @dataclass(frozen=True, slots=True)
+class AbandonCmd:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class ExpectCmd:
     request_id: str
     epoch: int
@@ -75,7 +80,7 @@ class ExpectCmd:
     timeout_s: float
 
 
-Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | ExpectCmd
+Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | AbandonCmd | ExpectCmd
 
 
 @dataclass(slots=True)
@@ -91,6 +96,7 @@ class RankReport:
     ready: list[str] = field(default_factory=list)  # decode ranks
     failed: list[tuple[str, str]] = field(default_factory=list)
     releasable: list[str] = field(default_factory=list)
+    lifted: list[tuple[str, int]] = field(default_factory=list)
 
 
 class GroupChannel:
@@ -184,6 +190,10 @@ class GroupPrefillSide:
         self.local.abort(request_id)
         self.channel.send(AbortCmd(request_id))
 
+    def refuse(self, req: PrefillRequest, reason: str) -> None:
+        """The leader refused ``req`` before any follower heard of it: it answers for the group."""
+        self.local.refuse(req, reason)
+
     def outstanding(self) -> bool:
         return bool(self._partial) or self.local.busy()
 
@@ -232,6 +242,7 @@ class GroupDecodeSide:
         self.agents = list(agents)  # every rank's agent name, by TP rank
         self.meta_slots = local.meta_slots
         self._jobs: dict[str, _Merge] = {}
+        self._fences: dict[tuple[str, int], set[int]] = {}  # abandoned epoch -> ranks where it lifted
 
     def endpoint(self) -> RankEndpoint:
         return self.local.endpoint()
@@ -270,16 +281,36 @@ class GroupDecodeSide:
         if self._jobs.pop(request_id, None) is not None:
             self.channel.send(ForgetCmd(request_id))
 
+    def abandon(self, request_id: str) -> int | None:
+        """Failover on every rank: the current epoch becomes a fence, lifted once it lifted everywhere."""
+        epoch = self.local.abandon(request_id)
+        if self.size > 1 and self._jobs.pop(request_id, None) is not None:
+            self.channel.send(AbandonCmd(request_id))
+            if epoch is not None:
+                self._fences[(request_id, epoch)] = set()
+        return epoch
+
+    def live(self) -> int:
+        return self.local.live() + len(self._jobs) + len(self._fences)
+
     def poll(self) -> DecodePoll:
         if self.size == 1:
             return self.local.poll()
         self.channel.sync(bool(self._jobs))
         events = [(0, self.local.poll())]
-        events += [(r.rank, DecodePoll(r.ready, r.failed, r.releasable)) for r in self.channel.reports()]
+        events += [(r.rank, DecodePoll(r.ready, r.failed, r.releasable, r.lifted)) for r in self.channel.reports()]
         ready: list[str] = []
         failed: list[tuple[str, str]] = []
         releasable: list[str] = []
+        lifted: list[tuple[str, int]] = []
         for rank, polled in events:
+            for key in polled.lifted:
+                ranks = self._fences.get(key)
+                if ranks is not None:
+                    ranks.add(rank)
+                    if len(ranks) == self.size:
+                        lifted.append(key)
+                        del self._fences[key]
             for rid in polled.ready:
                 job = self._jobs.get(rid)
                 if job is not None:
@@ -302,7 +333,7 @@ class GroupDecodeSide:
             elif (job.failed or job.aborted) and len(job.settled) == self.size:
                 releasable.append(rid)
                 del self._jobs[rid]
-        return DecodePoll(ready, failed, releasable)
+        return DecodePoll(ready, failed, releasable, lifted)
 
 
 def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> None:
@@ -322,6 +353,7 @@ def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> No
         elif isinstance(side, DecodeSide):
             polled = side.poll()
             report.ready, report.failed, report.releasable = polled.ready, polled.failed, polled.releasable
+            report.lifted = polled.lifted
         engine.tp.gather_object(report)
 
     engine.run_follower(on_tick)
@@ -352,3 +384,5 @@ def _apply(side: PrefillSide | DecodeSide | None, cmd: Command, report: RankRepo
             side.abort(cmd.request_id)
         elif isinstance(cmd, ForgetCmd):
             side.forget(cmd.request_id)
+        elif isinstance(cmd, AbandonCmd):
+            side.abandon(cmd.request_id)

@@ -17,6 +17,7 @@ from serving.bootstrap import PrefillGroup
 from serving.decode_loop import DecodeLoop
 from serving.decode_path import KVFetcher, Reply
 from serving.kv_links import engine_layout, metadata_bytes
+from serving.prefill_client import Delivery
 from serving.prefill_loop import PrefillLoop
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupChannel, GroupDecodeSide
@@ -111,7 +112,8 @@ class FakeCaller:
         FakeCaller.calls.append(self.group.group)
         server = FakeCaller.servers.get(self.group.group)
         if server is None:
-            self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, "connection refused"))
+            error, how = "failed to connect: connection refused", Delivery.UNREACHED
+            self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, error, how))
         else:
             load = server.submit(req)
             self.replies.put(Reply(self.group.group, req.request_id, req.epoch, load, None))

@@ -168,6 +168,18 @@ class LLMEngine:
         self._scheduler.reserve(req, n)
         return req.request_id, list(req.pages)
 
+    def replace_kv_pages(self, request_id: str) -> list[int]:
+        """A reserved request's KV will come from another sender into fresh pages: allocate and pin
+        new pages (``InvalidRequestError`` when the pool has too few free), free the old ones (the
+        free waits for the caller's pins: a write may still land there). Returns the new pages."""
+        req = self._get(request_id)
+        if req.state is not RequestState.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id} is not waiting for KV (state {req.state.name})")
+        if not self._scheduler.can_reserve(len(req.prompt_ids) - 1):
+            raise InvalidRequestError(f"not enough free KV pages to move request {request_id} to fresh pages")
+        self._scheduler.replace_reserved(req)
+        return list(req.pages)
+
     def kv_ready(self, request_id: str) -> None:
         """All KV of a reserved request has landed: it joins the batch and runs its last prompt token."""
         req = self._get(request_id)

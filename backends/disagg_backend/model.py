@@ -34,7 +34,15 @@ from kv_messenger.prefill_side import PrefillOutcome
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
 from serving.decode_loop import DecodeLoop
-from serving.llm_request import Getter, parse_echo, parse_sampling, parse_stop, parse_stop_words, parse_text
+from serving.llm_request import (
+    Getter,
+    RequestIds,
+    parse_echo,
+    parse_sampling,
+    parse_stop,
+    parse_stop_words,
+    parse_text,
+)
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig
@@ -147,7 +155,7 @@ class Decode(_Role):
         self.node = node
         self.metrics = _Metrics()
         self.loop, self.tracer = decode_loop(node, on_step=self.metrics.step)
-        self._ids = itertools.count()
+        self._ids = RequestIds(f"{node.role.value}{node.group}")
         self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
         self._live_lock = threading.Lock()
 
@@ -169,7 +177,7 @@ class Decode(_Role):
             sender.send(_error(str(exc)), flags=FINAL)
             return
         client = request.request_id()
-        rid = f"{client or 'triton'}#{next(self._ids)}"  # unique for the life of the node
+        rid = self._ids.next(client)  # unique on this node and across the nodes it travels to
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
         responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer, echo)

@@ -58,8 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
                    help="dtype the engines compute in, in both modes and in the calibration")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frontend", choices=[f.value for f in Frontend], default=Frontend.TRITON.value,
-                   help="send the load to the decode groups over Triton gRPC (round-robin) or through the router")
+    p.add_argument(
+        "--frontend",
+        choices=[f.value for f in Frontend],
+        default=Frontend.TRITON.value,
+        help="send the load to the decode groups over Triton gRPC (round-robin) or through the router",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench_serve"))
     p.add_argument("--json", type=Path, default=None, help="every figure and ratio (default OUT/bench_serve.json)")
 
@@ -148,7 +152,13 @@ def run(a: argparse.Namespace) -> int:
     launches = {
         m: Launch(
             deployment(
-                m, opts.engine_dir, opts.out, opts.chunk, opts.cores, opts.layers_per_post, opts.run_dtype,
+                m,
+                opts.engine_dir,
+                opts.out,
+                opts.chunk,
+                opts.cores,
+                opts.layers_per_post,
+                opts.run_dtype,
                 opts.frontend,
             )
         )

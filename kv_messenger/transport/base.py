@@ -10,6 +10,7 @@ all the batch's bytes have landed. Failures are data: ``state`` says DONE / FAIL
 from __future__ import annotations
 
 import enum
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,22 +29,50 @@ Range = tuple[int, int, int]  # (local address, remote address, length in bytes)
 Ranges = list[Range] | np.ndarray  # or an ``[N, 3]`` uint64 array of the same
 
 
+class Fault(enum.IntEnum):
+    NONE = 0
+    DROP = 1  # no bytes, no notification, yet reported DONE (a lost write)
+    FAIL = 2  # no bytes, no notification, reported FAILED
+    STALL = 3  # PENDING until the test lets it go (in-process transport only): a slow or hung peer
+
+
 @dataclass(slots=True)
 class FaultInjector:
-    """Test hook shared by the transports: silently drop the next ``n`` transfers (no bytes, no
-    notification, yet reported DONE to the sender), as a lost write would look."""
+    """Test hook shared by the transports: the next ``n`` writes are dropped, failed or stalled,
+    and a ``fail_rate`` share of all writes fail at random (seeded; a deployment's chaos setting)."""
 
     drop_next: int = 0
+    fail_next: int = 0
+    stall_next: int = 0
+    fail_rate: float = 0.0
+    seed: int = 0
     dropped: int = 0
+    failed: int = 0
+    stalled: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _rng: random.Random | None = None
 
-    def should_drop(self) -> bool:
+    def next_fault(self) -> Fault:
         with self._lock:
             if self.drop_next > 0:
                 self.drop_next -= 1
                 self.dropped += 1
-                return True
-            return False
+                return Fault.DROP
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                self.failed += 1
+                return Fault.FAIL
+            if self.stall_next > 0:
+                self.stall_next -= 1
+                self.stalled += 1
+                return Fault.STALL
+            if self.fail_rate > 0:
+                if self._rng is None:
+                    self._rng = random.Random(self.seed)
+                if self._rng.random() < self.fail_rate:
+                    self.failed += 1
+                    return Fault.FAIL
+            return Fault.NONE
 
 
 class Transport(Protocol):

@@ -8,7 +8,7 @@ from collections import deque
 
 import torch
 
-from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
+from kv_messenger.transport.base import Fault, FaultInjector, Ranges, TransferState
 
 
 class MemoryFabric:
@@ -27,6 +27,15 @@ class MemoryFabric:
         return t
 
 
+class _Write:
+    """One posted write: done at once, or stalled until ``MemoryTransport.release_stalled``."""
+
+    __slots__ = ("notif", "peer", "ranges", "state")
+
+    def __init__(self, peer: str, ranges: list[tuple[int, int, int]], notif: bytes, state: TransferState) -> None:
+        self.peer, self.ranges, self.notif, self.state = peer, ranges, notif, state
+
+
 class MemoryTransport:
     def __init__(self, name: str, fabric: MemoryFabric) -> None:
         self.name = name
@@ -35,6 +44,7 @@ class MemoryTransport:
         self._regions: list[tuple[int, int]] = []
         self._peers: set[str] = set()
         self._inbox: deque[tuple[str, bytes]] = deque()
+        self._stalled: list[_Write] = []
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -54,29 +64,55 @@ class MemoryTransport:
         if not any(lo <= addr and addr + length <= hi for lo, hi in regions):
             raise ValueError(f"range {addr:#x}+{length} is outside {who}'s registered memory")
 
-    def write(self, peer: str, ranges: Ranges, notif: bytes) -> TransferState:
+    def write(self, peer: str, ranges: Ranges, notif: bytes) -> _Write:
         if peer not in self._peers:
             raise ValueError(f"{peer!r} is not a connected peer of {self.name!r}")
-        if self.faults.should_drop():
-            return TransferState.DONE
-        remote = self.fabric.agents[peer]
-        for row in ranges:
-            src, dst, n = (int(x) for x in row)
+        rows = [(int(r[0]), int(r[1]), int(r[2])) for r in ranges]
+        fault = self.faults.next_fault()
+        if fault is Fault.DROP:
+            return _Write(peer, rows, notif, TransferState.DONE)
+        if fault is Fault.FAIL:
+            return _Write(peer, rows, notif, TransferState.FAILED)
+        w = _Write(peer, rows, notif, TransferState.PENDING)
+        if fault is Fault.STALL:
+            self._stalled.append(w)
+        else:
+            self._land(w)
+        return w
+
+    def release_stalled(self) -> int:
+        """Let every stalled write land now (late); returns how many there were."""
+        stalled, self._stalled = self._stalled, []
+        for w in stalled:
+            if w.state is TransferState.PENDING:  # not cancelled meanwhile
+                self._land(w)
+        return len(stalled)
+
+    def _land(self, w: _Write) -> None:
+        remote = self.fabric.agents.get(w.peer)
+        if remote is None:  # the peer is gone
+            w.state = TransferState.FAILED
+            return
+        for src, dst, n in w.ranges:
             self._check(self._regions, src, n, self.name)
-            self._check(remote._regions, dst, n, peer)
+            self._check(remote._regions, dst, n, w.peer)
             ctypes.memmove(dst, src, n)
-        remote._inbox.append((self.name, notif))
-        return TransferState.DONE
+        remote._inbox.append((self.name, w.notif))
+        w.state = TransferState.DONE
 
     def state(self, handle: object) -> TransferState:
-        assert isinstance(handle, TransferState)
-        return handle
+        assert isinstance(handle, _Write)
+        return handle.state
 
     def release(self, handle: object) -> None:
-        return None
+        assert isinstance(handle, _Write)
+        if handle.state is TransferState.PENDING:  # cancelled: a stalled write never lands
+            handle.state = TransferState.FAILED
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self.fabric.agents[peer]._inbox.append((self.name, msg))
+        remote = self.fabric.agents.get(peer)
+        if remote is not None:  # a notification to a vanished peer is lost, as on a network
+            remote._inbox.append((self.name, msg))
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out = []

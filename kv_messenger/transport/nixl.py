@@ -12,24 +12,31 @@ import numpy as np
 import torch
 
 from kv_messenger.config import NixlBackend
-from kv_messenger.transport.base import FaultInjector, Ranges, TransferState
+from kv_messenger.transport.base import Fault, FaultInjector, Ranges, TransferState
 
 log = logging.getLogger(__name__)
 
 
 class NixlTransport:
-    def __init__(self, name: str, backend: NixlBackend = NixlBackend.UCX, progress_thread: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        backend: NixlBackend = NixlBackend.UCX,
+        progress_thread: bool = False,
+        faults: FaultInjector | None = None,
+    ) -> None:
         backend = NixlBackend(backend)  # a plain string names a backend too; unknown ones are a ValueError
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise RuntimeError("NIXL is not installed: pip install nixl-cu12") from exc
         self.name = name
-        self.faults = FaultInjector()
+        self.faults = faults or FaultInjector()
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend.value]))
         self._mem_type = "DRAM"
         self._registered: list[object] = []
         self._done = object()  # handle of a transfer the fault injector dropped
+        self._failed = object()  # handle of a transfer the fault injector failed
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         if any(t.device.type == "cuda" for t in tensors):
@@ -50,8 +57,11 @@ class NixlTransport:
         return self._agent.get_xfer_descs(pairs, self._mem_type)
 
     def write(self, peer: str, ranges: Ranges, notif: bytes) -> object:
-        if self.faults.should_drop():
+        fault = self.faults.next_fault()
+        if fault is Fault.DROP:
             return self._done
+        if fault is Fault.FAIL:
+            return self._failed
         arr = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
         dev = np.zeros(len(arr), dtype=np.uint64)
         local = self._descs(np.stack([arr[:, 0], arr[:, 2], dev], axis=1))
@@ -65,11 +75,13 @@ class NixlTransport:
     def state(self, handle: object) -> TransferState:
         if handle is self._done:
             return TransferState.DONE
+        if handle is self._failed:
+            return TransferState.FAILED
         s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
         return {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}.get(s, TransferState.FAILED)
 
     def release(self, handle: object) -> None:
-        if handle is not self._done:
+        if handle is not self._done and handle is not self._failed:
             self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
 
     def send_notif(self, peer: str, msg: bytes) -> None:
