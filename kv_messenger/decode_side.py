@@ -206,6 +206,9 @@ class DecodeSide:
 
     def _end(self, job: _Expect, state: DecodeJobState, error: str) -> None:
         job.state, job.error, job.ended_at = state, f"request {job.request_id}: {error}", self.clock()
+        if state is DecodeJobState.FAILED:  # tell the senders still open to stop (and to confirm it)
+            for agent in job.senders - job.closed:
+                self.transport.send_notif(agent, Notification(NotifKind.ABORTED, job.request_id, job.epoch, 0).encode())
 
     def _on_notification(self, agent: str, note: Notification) -> None:
         job = self._jobs.get(note.request_id)

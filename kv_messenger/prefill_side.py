@@ -248,6 +248,11 @@ class PrefillSide:
             if agent in self._peers:
                 self.transport.send_notif(agent, note)
 
+    def jobs(self) -> int:
+        """Requests still being sent or not yet collected (tests of bounded state)."""
+        with self._lock:
+            return len(self._jobs) + len(self._done)
+
     def tombstones(self) -> int:
         """Aborted epochs remembered (tests of bounded state)."""
         with self._lock:

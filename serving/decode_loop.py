@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from serving.loop import ServingLoop
+from serving.loop import LoopReport, ReportHook, ServingLoop
 from torch_engine.engine import LLMEngine
-from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.tokenizer import IncrementalDetokenizer
@@ -29,7 +28,6 @@ from torch_engine.tokenizer import IncrementalDetokenizer
 log = logging.getLogger(__name__)
 
 Callback = Callable[[RequestOutput], None]
-StepHook = Callable[[PageStats, int, int], None]  # (pages, waiting requests, running requests)
 
 
 class KVSource(Protocol):
@@ -45,6 +43,10 @@ class KVSource(Protocol):
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request it holds (True), or say it holds none by that id (False)."""
+        ...
+
+    def records(self) -> dict[str, int]:
+        """Per-request records it holds, by structure."""
         ...
 
 
@@ -64,16 +66,15 @@ class DecodeLoop(ServingLoop[_Submit | str]):
         self,
         engine: LLMEngine,
         idle_wait_s: float = 0.005,
-        on_step: StepHook | None = None,
+        on_report: ReportHook | None = None,
         kv: KVSource | None = None,
         on_exit: Callable[[], None] | None = None,
         kv_poll_s: float = 0.0005,
         heartbeat: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(on_exit)
+        super().__init__(on_exit, on_report)
         self.engine = engine
         self.heartbeat = heartbeat  # colocated TP leaders: keep idle followers' collectives within their timeout
-        self.on_step = on_step
         self.kv = kv
         self.idle_wait_s = idle_wait_s
         self.kv_poll_s = kv_poll_s
@@ -99,7 +100,7 @@ class DecodeLoop(ServingLoop[_Submit | str]):
             held = self.kv is not None and self.kv.cancel(item)
             if held or self.engine.abort(item):
                 self._finish(item, RequestOutput(request_id=item, finished=True, finish_reason=FinishReason.ABORT))
-                self._report()
+                self._stepped = True  # pages changed: report now
             return
         try:
             split = (
@@ -144,13 +145,17 @@ class DecodeLoop(ServingLoop[_Submit | str]):
                     self._finish(out.request_id, delta)
                 else:
                     self._call(self._callbacks[out.request_id], delta)
-            self._report()
+            self._stepped = True
         elif self.heartbeat is not None:
             self.heartbeat()
 
-    def _report(self) -> None:
-        if self.on_step is not None:
-            self.on_step(self.engine.page_stats(), *self.engine.queue_depths())
+    def report(self) -> LoopReport:
+        waiting, running = self.engine.queue_depths()
+        records = {"callbacks": len(self._callbacks), "detokenizers": len(self._detok)}
+        records["engine"] = self.engine.num_requests()
+        if self.kv is not None:
+            records |= self.kv.records()
+        return LoopReport(self.engine.page_stats(), waiting, running, records)
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the

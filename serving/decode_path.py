@@ -2,6 +2,7 @@
 
 ``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
 
+    admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below
     admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
     SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
     SENT ──the call timed out / broke (the group may have taken it)──> the epoch is abandoned (its
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 from kv_messenger.protocol import PrefillRequest
@@ -32,6 +34,13 @@ from torch_engine.engine import LLMEngine
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass(slots=True)
@@ -63,17 +72,26 @@ class KVFetcher:
         make = caller or PrefillCaller
         self.callers = [make(g, call_timeout_s, self._replies) for g in groups]
         self._pending: dict[str, _Pending] = {}
+        self._queued: deque[_Queued] = deque()  # admitted, waiting for free pages to reserve
 
     # -- KVSource ------------------------------------------------------------------------
     def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
         if len(prompt_ids) < 2:
             return False  # nothing to prefill: the decoder runs the single token itself
+        self.engine.check_prompt(prompt_ids)  # one that can never fit fails now, not after a wait
+        if self.tracer is not None:
+            self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
+        if self._queued or not self.engine.can_reserve(len(prompt_ids) - 1):
+            self._queued.append(_Queued(request_id, prompt_ids, params))  # waits for pages, in order
+            return True
+        self._start(request_id, prompt_ids, params)
+        return True
+
+    def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         try:
             g = self.router.pick()
         except NoPrefillGroup as exc:
             raise InvalidRequestError(str(exc)) from None
-        if self.tracer is not None:
-            self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
         try:
             agents = self.groups[g].agents
             req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=agents)
@@ -81,10 +99,15 @@ class KVFetcher:
             raise InvalidRequestError(f"request {request_id}: {exc}") from None
         self._pending[request_id] = _Pending(g, req.epoch, {g})
         self._send(g, req)
-        return True
 
     def tick(self) -> list[tuple[str, str]]:
         failures = self._replies_in()
+        while self._queued and self.engine.can_reserve(len(self._queued[0].prompt_ids) - 1):
+            q = self._queued.popleft()
+            try:
+                self._start(q.request_id, q.prompt_ids, q.params)
+            except InvalidRequestError as exc:
+                failures.append((q.request_id, str(exc)))
         polled = self.link.poll()
         for req in self.link.retries():  # failovers whose fence lifted
             p = self._pending.get(req.request_id)
@@ -105,9 +128,22 @@ class KVFetcher:
         return failures
 
     def busy(self) -> bool:
-        return bool(self._pending) or self.link.waiting() or not self._replies.empty()
+        return bool(self._pending or self._queued) or self.link.waiting() or not self._replies.empty()
+
+    def records(self) -> dict[str, int]:
+        return {
+            "queued": len(self._queued),
+            "fetches": len(self._pending),
+            "destinations": self.link.live(),
+            "fenced_pages": sum(len(p) for p in self.link.fenced().values()),
+            "messenger": self.link.side.live(),
+        }
 
     def cancel(self, request_id: str) -> bool:
+        for q in self._queued:
+            if q.request_id == request_id:
+                self._queued.remove(q)
+                return True
         p = self._pending.pop(request_id, None)
         if p is None:
             return False

@@ -10,8 +10,13 @@ nodes). Each pass:
     stop  ──the thread ends; ``on_exit`` runs on it (TP groups release their followers there:
             collectives belong to this thread)
 
-If a pass raises (a bug or a dead peer), ``fail_all`` runs before the thread ends, so that no
-request waits on a loop that is gone.
+If a pass raises (a bug, a dead peer, a TP collective that timed out), ``fail_all`` runs before
+the thread ends, so that no request waits on a loop that is gone, then ``on_fatal`` (servers make
+the process exit there: a node without its loop must not look alive to its supervisor).
+
+``on_report`` gets a ``LoopReport`` (pages, queues, and how many per-request records each
+structure holds) after every pass that stepped the engine and at least every
+``report_interval_s`` otherwise, so gauges return to their idle values when the node goes idle.
 """
 
 from __future__ import annotations
@@ -19,13 +24,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from torch_engine.kv_cache import PageStats
 
 log = logging.getLogger(__name__)
 
 ItemT = TypeVar("ItemT")
+
+
+@dataclass(frozen=True, slots=True)
+class LoopReport:
+    pages: PageStats
+    waiting: int
+    running: int
+    records: dict[str, int]  # per-request records held, by structure: all 0 on an idle node (bounded state)
+
+
+ReportHook = Callable[[LoopReport], None]
 
 
 class ServingLoop(ABC, Generic[ItemT]):
@@ -35,8 +55,14 @@ class ServingLoop(ABC, Generic[ItemT]):
 
     name = "serving-loop"
 
-    def __init__(self, on_exit: Callable[[], None] | None = None) -> None:
+    report_interval_s = 0.25
+
+    def __init__(self, on_exit: Callable[[], None] | None = None, on_report: ReportHook | None = None) -> None:
         self.on_exit = on_exit
+        self.on_report = on_report
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._stepped = False  # the last pass ran an engine step (set by subclasses)
+        self._reported_at = 0.0
         self._inbox: queue.Queue[ItemT] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -62,9 +88,12 @@ class ServingLoop(ABC, Generic[ItemT]):
             while not self._stop.is_set():
                 self._drain()
                 self._work()
+                self._maybe_report()
         except Exception as exc:  # a bug or a dead peer: no request may hang on a loop that is gone
             log.exception("the %s stopped", self.name)
             self._fail_all(f"{self.name} stopped: {exc}")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
             raise
         finally:
             if self.on_exit is not None:
@@ -80,7 +109,19 @@ class ServingLoop(ABC, Generic[ItemT]):
         except queue.Empty:
             pass
 
+    def _maybe_report(self) -> None:
+        if self.on_report is None:
+            return
+        now = time.monotonic()
+        if self._stepped or now - self._reported_at >= self.report_interval_s:
+            self._stepped, self._reported_at = False, now
+            self.on_report(self.report())
+
     # -- what a kind of loop does --------------------------------------------------------
+    @abstractmethod
+    def report(self) -> LoopReport:
+        """The node's state now (called on the loop thread)."""
+
     @abstractmethod
     def _admit(self, item: ItemT) -> None: ...
 

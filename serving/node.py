@@ -14,8 +14,9 @@ import logging
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport.nixl import NixlTransport
 from serving.bootstrap import bootstrap
-from serving.decode_loop import DecodeLoop, StepHook
+from serving.decode_loop import DecodeLoop
 from serving.decode_path import KVFetcher
+from serving.loop import ReportHook
 from serving.node_config import NodeConfig
 from serving.prefill_loop import DoneHook, PrefillLoop
 from serving.tp_group import run_follower
@@ -31,11 +32,11 @@ def _tracer(node: NodeConfig) -> Tracer | None:
     return Tracer(node.trace_path, name) if node.trace_path is not None else None
 
 
-def decode_loop(node: NodeConfig, on_step: StepHook | None = None) -> tuple[DecodeLoop, Tracer | None]:
+def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[DecodeLoop, Tracer | None]:
     """The engine loop of a decode (or colocated) group leader, and its tracer."""
     tracer = _tracer(node)
     if node.mpi_rank is None:
-        return DecodeLoop(LLMEngine(node.engine), on_step=on_step), tracer
+        return DecodeLoop(LLMEngine(node.engine), on_report=on_report), tracer
     rank = bootstrap(node)
     if tracer is not None:
         rank.engine.attach(TraceObserver(tracer))
@@ -54,19 +55,22 @@ def decode_loop(node: NodeConfig, on_step: StepHook | None = None) -> tuple[Deco
             kv.close()
 
     heartbeat = (lambda: channel.sync(False)) if kv is None and channel.tp.size > 1 else None  # colocated TP
-    return DecodeLoop(rank.engine, on_step=on_step, kv=kv, on_exit=on_exit, heartbeat=heartbeat), tracer
+    return DecodeLoop(rank.engine, on_report=on_report, kv=kv, on_exit=on_exit, heartbeat=heartbeat), tracer
 
 
-def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None) -> PrefillLoop:
+def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None, on_report: ReportHook | None = None) -> PrefillLoop:
     if node.mpi_rank is None:
         engine = LLMEngine(node.engine, load_tokenizer=False)
-        return PrefillLoop.standalone(engine, NixlTransport(node.agent_name, node.transport.backend), on_done=on_done)
+        transport = NixlTransport(node.agent_name, node.transport.backend)
+        return PrefillLoop.standalone(engine, transport, on_done=on_done, on_report=on_report)
     rank = bootstrap(node)
     assert rank.channel is not None
     side, tracer = rank.prefill_side(), _tracer(node)
     if tracer is not None:
         rank.engine.attach(TraceObserver(tracer))
-    return PrefillLoop(rank.engine, side, on_done=on_done, on_exit=rank.channel.stop, tracer=tracer)
+    return PrefillLoop(
+        rank.engine, side, on_done=on_done, on_exit=rank.channel.stop, tracer=tracer, on_report=on_report
+    )
 
 
 def follower(node: NodeConfig) -> None:

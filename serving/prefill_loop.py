@@ -21,7 +21,7 @@ from kv_messenger.prefill_side import PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import Transport
 from serving.kv_links import PrefillLink, engine_layout, metadata_bytes
-from serving.loop import ServingLoop
+from serving.loop import LoopReport, ReportHook, ServingLoop
 from serving.tp_group import GroupChannel, GroupPrefillSide
 from serving.trace import Tracer
 from torch_engine.engine import LLMEngine
@@ -44,8 +44,9 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         on_done: DoneHook | None = None,
         on_exit: Callable[[], None] | None = None,
         tracer: Tracer | None = None,
+        on_report: ReportHook | None = None,
     ) -> None:
-        super().__init__(on_exit)
+        super().__init__(on_exit, on_report)
         self.engine = engine
         self.on_done = on_done
         self.tracer = tracer
@@ -60,10 +61,16 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         self._start()
 
     @classmethod
-    def standalone(cls, engine: LLMEngine, transport: Transport, on_done: DoneHook | None = None) -> PrefillLoop:
+    def standalone(
+        cls,
+        engine: LLMEngine,
+        transport: Transport,
+        on_done: DoneHook | None = None,
+        on_report: ReportHook | None = None,
+    ) -> PrefillLoop:
         """A TP-1 prefill node whose decode peers connect by ``handshake``."""
         local = PrefillSide(transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine))
-        return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done)
+        return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done, on_report=on_report)
 
     def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:
         self.side.connect(decode_ranks)
@@ -97,6 +104,14 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         with self._lock:
             return len(self._outstanding)
 
+    def report(self) -> LoopReport:
+        waiting, running = self.engine.queue_depths()
+        with self._lock:
+            records = {"outstanding": len(self._outstanding), "started": len(self._started)}
+        records |= {"engine": self.engine.num_requests(), "sources": self.link.live()}
+        records |= {"messenger": self.side.jobs(), "tombstones": self.side.local.tombstones()}
+        return LoopReport(self.engine.page_stats(), waiting, running, records)
+
     # -- ServingLoop ---------------------------------------------------------------------
     def _admit(self, item: PrefillRequest) -> None:
         try:
@@ -117,6 +132,7 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
 
     def _work(self) -> None:
         if self.engine.has_unfinished():
+            self._stepped = True
             for out in self.link.step():
                 if self.tracer is not None and out.finish_reason is FinishReason.PREFILLED:
                     self.tracer.mark(out.request_id, "prefilled")

@@ -197,6 +197,10 @@ class GroupPrefillSide:
     def outstanding(self) -> bool:
         return bool(self._partial) or self.local.busy()
 
+    def jobs(self) -> int:
+        """Requests the group still tracks here (this rank's jobs, partial merges)."""
+        return self.local.jobs() + len(self._partial)
+
     def sync(self) -> None:
         self.channel.sync(self.outstanding())
 

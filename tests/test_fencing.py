@@ -458,3 +458,25 @@ def test_soak_random_cancels_and_failed_writes_leave_nothing_behind(tiny_engine_
         assert all(p.side.local.tombstones() <= len(cancelled) for p in c.prefills)
     finally:
         c.stop()
+
+
+def test_writes_delayed_past_the_decoders_deadline_land_only_in_pages_still_held(tiny_engine_dir) -> None:
+    _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir, ttl_s=0.5)
+    try:
+        pt.faults.stall_next = 10**6  # the network holds every write
+        req = dlink.start(prompt_of(30, 1), GREEDY, "late")
+        loop.submit(req.model_copy(update={"ttl_s": 30.0}))  # the prefill's own deadline is far away
+        wait_for(lambda: pt.faults.stalled >= 1, what="the first write")
+        failed = failures_of(dlink)
+        assert "timed out" in failed[0][1]
+        held = decode.page_stats().pinned
+        assert held > 0  # failed, but its pages are not reusable: a write may still land
+        before = snapshot(decode)
+        pt.release_stalled()  # the writes arrive after the deadline
+        wait_for(lambda: (dlink.poll(), dlink.live() == 0)[1], what="the prefill's confirmation")
+        assert decode.page_stats().used == 0 and decode.page_stats().pinned == 0
+        landed = changed_pages(before, snapshot(decode))
+        assert 0 < len(landed) <= held  # the late bytes landed in the held pages, nowhere else
+        assert loop.live() == 0 and pt.faults.stalled >= 1
+    finally:
+        loop.stop()

@@ -293,6 +293,10 @@ class LLMEngine:
         """The record of a known request (finished ones stay until ``retire``); KeyError if unknown."""
         return self._get(request_id)
 
+    def num_requests(self) -> int:
+        """Requests the engine keeps a record of (live, or finished and not yet retired)."""
+        return len(self._requests)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -43,11 +44,11 @@ from serving.llm_request import (
     parse_stop_words,
     parse_text,
 )
+from serving.loop import LoopReport
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig
 from serving.trace import Tracer
-from torch_engine.kv_cache import PageStats
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, TokenLogprobs
 from torch_engine.tokenizer import Tokenizer, window_text
@@ -55,6 +56,9 @@ from torch_engine.tokenizer import Tokenizer, window_text
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 Request = Any  # pb_utils.InferenceRequest (the stub's own type, not importable for annotations)
 Response = Any  # pb_utils.InferenceResponse
+
+
+log = logging.getLogger(__name__)
 
 
 class TritonPythonModel:
@@ -127,7 +131,9 @@ class Prefill(_Role):
 
     def __init__(self, node: NodeConfig) -> None:
         self.transfers = _TransferMetrics()
-        self.loop = prefill_loop(node, on_done=self.transfers.done)
+        self.node_metrics = _NodeMetrics(Model.PREFILL)
+        self.loop = prefill_loop(node, on_done=self.transfers.done, on_report=self.node_metrics.report)
+        self.loop.on_fatal = _exit_process
 
     def convert(self, get: Getter) -> Response:
         hs, pr = get(Tensor.HANDSHAKE), get(Tensor.PREFILL_REQUEST)
@@ -154,10 +160,15 @@ class Decode(_Role):
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
         self.metrics = _Metrics()
-        self.loop, self.tracer = decode_loop(node, on_step=self.metrics.step)
+        self.loop, self.tracer = decode_loop(node, on_report=self.metrics.report)
+        self.loop.on_fatal = _exit_process
         self._ids = RequestIds(f"{node.role.value}{node.group}")
         self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
+        self._senders: dict[str, Any] = {}  # live request -> its response sender (cancellation watch)
         self._live_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="decode-cancel-watch", daemon=True)
+        self._watcher.start()
 
     def execute(self, requests: list[Request]) -> None:
         for request in requests:
@@ -181,10 +192,11 @@ class Decode(_Role):
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
         responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer, echo)
-        if client:
-            with self._live_lock:
+        with self._live_lock:
+            self._senders[rid] = sender
+            if client:
                 self._live.setdefault(client, set()).add(rid)
-            responder.on_done = lambda: self._forget(client, rid)
+        responder.on_done = lambda: self._forget(client, rid)
         self.loop.submit(rid, ids, params, responder)
 
     def stop(self, client: str, sender: Any) -> None:
@@ -200,13 +212,33 @@ class Decode(_Role):
 
     def _forget(self, client: str, rid: str) -> None:
         with self._live_lock:
+            self._senders.pop(rid, None)
             live = self._live.get(client)
             if live is not None:
                 live.discard(rid)
                 if not live:
                     del self._live[client]
 
+    def _watch_cancellations(self) -> None:
+        """A client that goes away before its first token (its KV still on the way) is noticed here,
+        not only at the request's next output: every 100 ms, cancelled live requests are aborted.
+        A sender is asked only under the lock that ``_forget`` takes before its final response is
+        sent: asking a response factory that Triton already released crashes the server."""
+        while not self._closing.wait(0.1):
+            with self._live_lock:
+                rids = list(self._senders)
+            for rid in rids:
+                with self._live_lock:
+                    sender = self._senders.get(rid)
+                    cancelled = sender is not None and sender.is_cancelled()
+                    if cancelled:
+                        del self._senders[rid]
+                if cancelled:
+                    self.loop.cancel(rid)
+
     def finalize(self) -> None:
+        self._closing.set()
+        self._watcher.join(1.0)
         self.loop.stop()
 
 
@@ -296,35 +328,62 @@ def _required(get: Getter, name: str) -> np.ndarray:
     return value
 
 
-class _Metrics:
+def _exit_process(exc: BaseException) -> None:
+    """The engine loop died (its requests were failed): end this process so that the launcher's
+    supervision names the rank, instead of a server that looks alive and can no longer serve."""
+    log.critical("the engine loop died (%s): exiting", exc)
+    logging.shutdown()
+    os._exit(70)
+
+
+class _NodeMetrics:
+    """Pages, queues and per-request records of a node's loop (both roles), from its ``LoopReport``s."""
+
+    def __init__(self, model: Model) -> None:
+        fam = pb_utils.MetricFamily
+        self._families = [
+            fam("disagg_kv_pages", "KV cache pages by state", fam.GAUGE),
+            fam("disagg_queue_depth", "Requests waiting / running in the engine", fam.GAUGE),
+            fam("disagg_live_records", "Per-request records held, by structure (0 on an idle node)", fam.GAUGE),
+        ]
+        pages, queue, records = self._families
+        self._labels = {"model": model.value}
+        self.pages = {s: pages.Metric(labels=self._labels | {"state": s}) for s in ("free", "used", "pinned")}
+        self.queue = {q: queue.Metric(labels=self._labels | {"queue": q}) for q in ("waiting", "running")}
+        self._records_family = records
+        self.records: dict[str, Any] = {}
+
+    def report(self, r: LoopReport) -> None:
+        self.pages["free"].set(r.pages.free)
+        self.pages["used"].set(r.pages.used)
+        self.pages["pinned"].set(r.pages.pinned)
+        self.queue["waiting"].set(r.waiting)
+        self.queue["running"].set(r.running)
+        for what, n in r.records.items():
+            if what not in self.records:
+                self.records[what] = self._records_family.Metric(labels=self._labels | {"what": what})
+            self.records[what].set(n)
+
+
+class _Metrics(_NodeMetrics):
     """Prometheus metrics next to Triton's own (served on its metrics port)."""
 
     def __init__(self) -> None:
+        super().__init__(Model.LLM)
         fam = pb_utils.MetricFamily
         buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-        self._families = [
+        self._latency = [
             fam("disagg_time_to_first_token_seconds", "Time from request arrival to its first token", fam.HISTOGRAM),
             fam("disagg_inter_token_latency_seconds", "Time between consecutive tokens of a request", fam.HISTOGRAM),
             fam("disagg_prompt_tokens_total", "Prompt tokens of finished requests", fam.COUNTER),
             fam("disagg_generation_tokens_total", "Generated tokens", fam.COUNTER),
-            fam("disagg_kv_pages", "KV cache pages by state", fam.GAUGE),
-            fam("disagg_queue_depth", "Requests waiting / running in the engine", fam.GAUGE),
         ]
-        ttft, itl, prompt, gen, pages, queue = self._families
+        ttft, itl, prompt, gen = self._latency
         model = {"model": Model.LLM.value}
         self.ttft = ttft.Metric(labels=model, buckets=buckets)
         self.itl = itl.Metric(labels=model, buckets=buckets)
         self.prompt_tokens = prompt.Metric(labels=model)
         self.generation_tokens = gen.Metric(labels=model)
-        self.pages = {s: pages.Metric(labels=model | {"state": s}) for s in ("free", "used", "pinned")}
-        self.queue = {q: queue.Metric(labels=model | {"queue": q}) for q in ("waiting", "running")}
-
-    def step(self, stats: PageStats, waiting: int, running: int) -> None:
-        self.pages["free"].set(stats.free)
-        self.pages["used"].set(stats.used)
-        self.pages["pinned"].set(stats.pinned)
-        self.queue["waiting"].set(waiting)
-        self.queue["running"].set(running)
 
 
 class _TransferMetrics:
