@@ -140,7 +140,8 @@ def test_fifty_streams_half_cancelled_leave_every_page_free(tiny_engine_dir, tmp
     want = tiny_engine(engine_dir).generate(prompts, SamplingParams(max_tokens=24))
     # half cancelled at random points: some before their KV lands, some while decoding
     jobs = [(f"storm{i}", p, 24, rng.uniform(0.0, 0.8) if i % 2 else None) for i, p in enumerate(prompts)]
-    with deployed(tiny_disagg(tmp_path, engine_dir)) as launch:
+    timeouts = {"startup_s": 240, "kv_transfer_s": 60, "shutdown_s": 20, "prefill_tombstone_s": 5}
+    with deployed(tiny_disagg(tmp_path, engine_dir, timeouts=timeouts)) as launch:  # tombstones expire in the wait
         url = grpc_url(launch)
         logs = log_sizes(launch)
         results = run_storm(url, jobs, concurrency=50)
