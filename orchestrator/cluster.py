@@ -21,7 +21,7 @@ from builders.build import DEFAULT_ENGINE_CACHE
 from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
 from serving.node_config import RequestLimits, RequestTimeouts
-from torch_engine.config import DType, KVLayout, Role, SchedulerConfig
+from torch_engine.config import DType, KVLayout, Role, SchedulerConfig, SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,7 @@ class ClusterConfig(_Frozen):
     page_size: int = Field(default=16, ge=1)
     kv_layout: KVLayout = KVLayout.HND
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()  # decode / colocated groups (prefill nodes never sample)
     limits: RequestLimits = RequestLimits()
     timeouts: TimeoutSpec = TimeoutSpec()
     transport: TransportSpec = TransportSpec()

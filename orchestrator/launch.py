@@ -210,7 +210,7 @@ class Launch:
 
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
-        engine = {
+        engine: dict[str, object] = {
             "engine_dir": engine_dir,
             "dtype": cfg.run_dtype,
             "scheduler": cfg.scheduler,
@@ -218,6 +218,8 @@ class Launch:
         }
         if spec.num_pages is not None:  # else the engine's own default
             engine["num_pages"] = spec.num_pages
+        if slot.role is not Role.PREFILL:
+            engine["speculative"] = cfg.speculative
         node = NodeConfig(
             engine=EngineConfig.model_validate(engine),
             transport=cfg.transport,

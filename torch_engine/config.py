@@ -203,6 +203,27 @@ class SchedulerConfig(_Frozen):
     max_prefill_chunk: int = Field(default=512, ge=1, description="chunked prefill: largest chunk of one request")
 
 
+class SpecMethod(enum.StrEnum):
+    NONE = "none"
+    NGRAM = "ngram"  # prompt lookup: drafts are what followed the latest earlier match of the last tokens
+
+
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding (``torch_engine/speculative.py``): lossless; ``num_tokens`` is fixed."""
+
+    method: SpecMethod = Field(default=SpecMethod.NONE, description="drafter: none or ngram")
+    num_tokens: int = Field(default=4, ge=1, le=16, description="draft tokens verified per step (at most)")
+    ngram_max: int = Field(default=3, ge=1, description="longest suffix the n-gram drafter matches")
+    ngram_min: int = Field(default=1, ge=1, description="shortest suffix the n-gram drafter matches")
+    default: bool = Field(default=True, description="requests that do not say (speculate unset) speculate")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
+        return self
+
+
 class EngineConfig(_Frozen):
     """Runtime settings of one engine instance (one TP rank)."""
 
@@ -213,6 +234,7 @@ class EngineConfig(_Frozen):
     kv_layout: KVLayout | None = None  # None: the manifest's
     num_pages: int = Field(default=512, ge=1)
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     max_model_len: int | None = Field(default=None, ge=2)  # None: the model's max positions
     num_threads: int | None = Field(default=None, ge=1)
     # decode-only steps through static buffers, replayed as CUDA graphs on a GPU. None: on for CUDA

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
-from torch_engine.config import EngineConfig, EngineManifest
+from torch_engine.config import EngineConfig, EngineManifest, SpecMethod
 from torch_engine.connector import StepObserver, TickHook
 from torch_engine.cpu import cpu_info
 from torch_engine.decode_graphs import DecodeGraphs
@@ -37,9 +37,11 @@ from torch_engine.sampling import (
     TokenLogprobs,
     apply_penalties,
     logprobs_of,
+    probabilities,
     sample,
 )
-from torch_engine.scheduler import Scheduler, SchedulerOutput
+from torch_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from torch_engine.speculative import NgramDrafter, SpecStats, rejection_sample, verify_greedy
 from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -134,6 +136,12 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
+        drafting = config.speculative
+        ngram = drafting.method is SpecMethod.NGRAM
+        self._drafter = NgramDrafter(drafting.ngram_max, drafting.ngram_min) if ngram else None
+        self.spec_stats = SpecStats()  # draft tokens proposed / accepted by this engine
+        if self._drafter is not None:
+            self._scheduler.propose = self._propose
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -405,11 +413,44 @@ class LLMEngine:
         self._scheduler.finish(req, state, reason, error)
         self._detok.pop(req.request_id, None)
 
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for ``req`` (the scheduler's ``propose``): none for requests that opted out,
+        or whose logits a draft would change (penalties); never past ``max_tokens`` or the context."""
+        p, spec = req.params, self.config.speculative
+        if self._drafter is None or p.penalized or not (spec.default if p.speculate is None else p.speculate):
+            return []
+        room = min(room, spec.num_tokens, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens)
+        return self._drafter.propose(req.all_tokens, room) if room > 0 else []
+
+    def _verify(self, c: ScheduledChunk, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
+        """The tokens a speculative chunk emits (accepted draft tokens + the target's next one)."""
+        req, draft, p = c.request, list(c.draft), c.request.params
+        if p.greedy:
+            target = logits.argmax(dim=-1).tolist()
+            n = verify_greedy(target, draft)
+            tokens = target[: n + 1]
+        else:
+            n, nxt = rejection_sample(probabilities(logits, p), draft, req.sampler.generator)
+            tokens = [*draft[:n], nxt]
+        req.spec.add(len(draft), n)
+        self.spec_stats.add(len(draft), n)
+        lps = logprobs_of(logits[: n + 1], tokens, [p.logprobs] * (n + 1)) if p.logprobs is not None else []
+        return tokens, lps
+
     def _postprocess(self, sched: SchedulerOutput, hidden: torch.Tensor) -> list[RequestOutput]:
-        rows = [c for c in sched.chunks if c.samples or (c.completes and c.request.want_last_hidden)]
-        logits = self._runner.logits(hidden) if rows else hidden
-        sampling = [i for i, c in enumerate(rows) if c.samples]
-        reqs = [rows[i].request for i in sampling]
+        first: dict[int, int] = {}  # id(chunk) -> its first row in ``hidden``
+        rows: list[ScheduledChunk] = []  # chunks with exactly one row
+        n_rows = 0
+        for c in sched.chunks:
+            if c.draft:
+                first[id(c)], n_rows = n_rows, n_rows + c.length
+            elif c.samples or (c.completes and c.request.want_last_hidden):
+                first[id(c)], n_rows = n_rows, n_rows + 1
+                rows.append(c)
+        logits = self._runner.logits(hidden) if first else hidden
+        spec = {id(c): self._verify(c, logits[first[id(c)] : first[id(c)] + c.length]) for c in sched.chunks if c.draft}
+        sampling = [first[id(c)] for c in rows if c.samples]
+        reqs = [c.request for c in rows if c.samples]
         params = [r.params for r in reqs]
         chosen = logits[sampling].float()
         if any(p.penalized for p in params):
@@ -421,12 +462,19 @@ class LLMEngine:
         if wanted:
             found = logprobs_of(chosen[wanted], [tokens[j] for j in wanted], [params[j].logprobs or 0 for j in wanted])
             logprobs = {id(reqs[j]): lp for j, lp in zip(wanted, found, strict=True)}
-        for i, c in enumerate(rows):
+        for c in rows:
             if c.request.want_last_hidden:
+                i = first[id(c)]
                 c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
         outputs = []
         for c in sched.chunks:
             req = c.request
+            if c.draft:
+                tokens, lps = spec[id(c)]
+                req.num_computed += len(tokens)  # its next token and the accepted drafts now have KV
+                outputs.append(self._append_tokens(req, tokens, lps))
+                self._scheduler.trim(req)  # pages past the rejected positions go back
+                continue
             req.num_computed += c.length
             if req.kind is RequestKind.PREFILL_ONLY and c.completes:
                 self._scheduler.mark_prefilled(req)
@@ -436,6 +484,25 @@ class LLMEngine:
             elif c.samples:
                 outputs.append(self._append_token(req, by_req[id(req)], logprobs.get(id(req))))
         return outputs
+
+    def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs]) -> RequestOutput:
+        """Several tokens of one step (speculation), one by one through the stop checks; one output."""
+        outs: list[RequestOutput] = []
+        for j, t in enumerate(tokens):
+            outs.append(self._append_token(req, t, lps[j] if lps else None))
+            if outs[-1].finished:
+                break
+        last = outs[-1]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[t for o in outs for t in o.new_token_ids],
+            output_ids=list(req.output_ids),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            text="".join(o.text for o in outs),
+            prompt_tokens=len(req.prompt_ids),
+            logprobs=tuple(lp for o in outs for lp in o.logprobs),
+        )
 
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req.output_ids.append(token)

@@ -86,7 +86,7 @@ class ModelRunner:
         p = self.page_size
         for c in sched.chunks:
             req, row = c.request, len(ids)
-            tokens = req.all_tokens
+            tokens = req.all_tokens + list(c.draft) if c.draft else req.all_tokens
             ids += tokens[c.start : c.start + c.length]
             pos += range(c.start, c.start + c.length)
             pages += [req.pages[i // p] for i in range(c.start, c.start + c.length)]
@@ -97,7 +97,9 @@ class ModelRunner:
                 decode_lens.append(c.start + 1)
             else:
                 prefills.append((row, row + c.length, c.start, _page_table([used])))
-            if c.samples or (c.completes and req.want_last_hidden):
+            if c.draft:  # every position: the target's next token after each draft prefix
+                out_rows += range(row, row + c.length)
+            elif c.samples or (c.completes and req.want_last_hidden):
                 out_rows.append(row + c.length - 1)
         positions = torch.tensor(pos, dtype=torch.long)
         return StepInputs(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torch_engine.sampling import SamplerState, SamplingParams, TokenLogprobs
+from torch_engine.speculative import SpecStats
 
 
 class RequestState(enum.IntEnum):
@@ -66,6 +67,7 @@ class Request:
     text: str = ""  # detokenised output (kept when stop strings are in use)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)  # draft tokens proposed / accepted
 
     @property
     def all_tokens(self) -> list[int]:

@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from each token already generated (OpenAI)
     frequency_penalty: float = 0.0  # subtracted per occurrence of each token already generated (OpenAI)
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the top k alternatives
+    speculate: bool | None = None  # None: the engine's default (``SpeculativeConfig.default``)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -120,6 +121,21 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[
     return out
 
 
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: ``logits`` (``[..., V]``) / temperature,
+    then top-k, then top-p (the smallest prefix reaching ``top_p``), softmax."""
+    rows = logits.float().cpu() / p.temperature
+    if p.top_k and p.top_k < rows.shape[-1]:
+        kth = torch.topk(rows, p.top_k, dim=-1).values[..., -1:]
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(rows, descending=True, dim=-1)
+        soft = sorted_logits.softmax(-1)
+        drop = soft.cumsum(-1) - soft >= p.top_p  # keep the smallest prefix reaching top_p
+        rows = rows.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return rows.softmax(-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:
     """One token per row of ``logits`` (``[S, V]``)."""
     logits = logits.float()
@@ -127,15 +143,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[Samp
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i].cpu() / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = row.softmax(-1)
+        probs = probabilities(logits[i], p)
         out[i] = int(torch.multinomial(probs, 1, generator=states[i].generator).item())
     return out

@@ -15,6 +15,7 @@ A request that cannot get pages waits; nothing crashes.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch_engine.kv_cache import PageAllocator
@@ -25,11 +26,12 @@ from torch_engine.request import FinishReason, Request, RequestKind, RequestStat
 class ScheduledChunk:
     request: Request
     start: int  # position of the first token computed in this step
-    length: int
+    length: int  # tokens computed, draft tokens included
+    draft: tuple[int, ...] = ()  # speculative tokens after the request's next token (verified this step)
 
     @property
     def completes(self) -> bool:
-        return self.start + self.length == self.request.compute_target
+        return self.start + self.length - len(self.draft) == self.request.compute_target
 
     @property
     def samples(self) -> bool:
@@ -60,6 +62,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.max_chunk = max_prefill_chunk
+        # speculative decoding: (request, room) -> up to ``room`` draft tokens for a request about to sample
+        self.propose: Callable[[Request, int], list[int]] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv_wait: dict[str, Request] = {}
@@ -134,9 +138,10 @@ class Scheduler:
             n = min(req.compute_target - req.num_computed, budget, self.max_chunk)
             if not self._grow(req, req.num_computed + n, protect=scheduled):
                 continue
-            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            draft = self._draft(req, n, budget)
+            chunks.append(ScheduledChunk(req, req.num_computed, n + len(draft), draft))
             scheduled.add(req.request_id)
-            budget -= n
+            budget -= n + len(draft)
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.compute_target - req.num_computed, budget, self.max_chunk)
@@ -150,6 +155,31 @@ class Scheduler:
             budget -= n
         self.steps += 1
         return SchedulerOutput(self.steps, chunks)
+
+    def _draft(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a request whose chunk samples: as many as the budget and the free pages
+        allow without preempting anyone (drafts are a bet, not a right)."""
+        if self.propose is None or n != 1 or req.compute_target - req.num_computed != 1:
+            return ()
+        if req.kind is RequestKind.PREFILL_ONLY:
+            return ()
+        room = min(budget - n, self.max_chunk - n)
+        draft = self.propose(req, room) if room > 0 else []
+        while draft and not self.allocator.can_allocate(
+            self.pages_for(req.num_computed + 1 + len(draft)) - len(req.pages)
+        ):
+            draft.pop()
+        need = self.pages_for(req.num_computed + 1 + len(draft)) - len(req.pages)
+        if draft and need > 0:
+            req.pages += self.allocator.allocate(need)
+        return tuple(draft)
+
+    def trim(self, req: Request) -> None:
+        """Return pages past what the request's tokens need (after rejected draft positions)."""
+        keep = self.pages_for(req.num_tokens)
+        if req.state is RequestState.RUNNING and len(req.pages) > keep:
+            extra, req.pages = req.pages[keep:], req.pages[:keep]
+            self.allocator.free(extra)
 
     def _grow(self, req: Request, num_tokens: int, protect: set[str]) -> bool:
         need = self.pages_for(num_tokens) - len(req.pages)
