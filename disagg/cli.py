@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import engine as bench_engine
+from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
 from builders import BuildError
@@ -44,6 +45,8 @@ BENCHES = [
             bench_transfer.add_arguments, bench_transfer.run),
     Command("serve", "colocated vs disaggregated deployments on equal hardware: TTFT, ITL, goodput",
             bench_serve.add_arguments, bench_serve.run),
+    Command("spec", "decode speed with and without n-gram speculative decoding, acceptance",
+            bench_spec.add_arguments, bench_spec.run),
 ]  # fmt: skip
 
 

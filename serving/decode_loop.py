@@ -155,7 +155,8 @@ class DecodeLoop(ServingLoop[_Submit | str]):
         records["engine"] = self.engine.num_requests()
         if self.kv is not None:
             records |= self.kv.records()
-        return LoopReport(self.engine.page_stats(), waiting, running, records)
+        spec = self.engine.spec_stats
+        return LoopReport(self.engine.page_stats(), waiting, running, records, (spec.proposed, spec.accepted))
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the

@@ -31,6 +31,7 @@ _KINDS = {
     Tensor.STREAM: "b",
     Tensor.CHAT: "b",
     Tensor.IGNORE_EOS: "b",
+    Tensor.SPECULATE: "b",
     Tensor.EXCLUDE_INPUT_IN_OUTPUT: "b",
     Tensor.REPETITION_PENALTY: "f",
     Tensor.PRESENCE_PENALTY: "f",
@@ -128,9 +129,15 @@ def parse_sampling(get: Getter, max_tokens_limit: int) -> tuple[SamplingParams, 
         presence_penalty=_float(get, Tensor.PRESENCE_PENALTY, 0.0),
         frequency_penalty=_float(get, Tensor.FREQUENCY_PENALTY, 0.0),
         logprobs=_logprobs(get),
+        speculate=_flag(get, Tensor.SPECULATE),
     )
     params.validate()
     return params, bool(_scalar(get, Tensor.STREAM) or False)
+
+
+def _flag(get: Getter, name: Tensor) -> bool | None:
+    value = _scalar(get, name)
+    return bool(value) if value is not None else None
 
 
 def _float(get: Getter, name: Tensor, default: float) -> float:

@@ -43,6 +43,7 @@ class LoopReport:
     waiting: int
     running: int
     records: dict[str, int]  # per-request records held, by structure: all 0 on an idle node (bounded state)
+    drafts: tuple[int, int] = (0, 0)  # speculative draft tokens so far: (proposed, accepted)
 
 
 ReportHook = Callable[[LoopReport], None]

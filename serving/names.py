@@ -50,6 +50,7 @@ class Tensor(enum.StrEnum):
     END_ID = "end_id"
     BEAM_WIDTH = "beam_width"
     IGNORE_EOS = "ignore_eos"
+    SPECULATE = "speculate"  # ours: per-request speculative decoding on / off (unset: the deployment's default)
     REPETITION_PENALTY = "repetition_penalty"
     PRESENCE_PENALTY = "presence_penalty"
     FREQUENCY_PENALTY = "frequency_penalty"

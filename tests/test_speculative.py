@@ -139,9 +139,12 @@ def test_sampled_tokens_keep_their_distribution(tiny_engine_dir) -> None:
     quantile: a correct sampler fails this test about once in a thousand runs (and with these fixed
     seeds, never)."""
     base = prompt_of(8, 3)
-    prompt = base + engine(tiny_engine_dir("llama"), spec=None).generate(
-        [base], SamplingParams(max_tokens=60, ignore_eos=True)
-    )[0]
+    prompt = (
+        base
+        + engine(tiny_engine_dir("llama"), spec=None).generate([base], SamplingParams(max_tokens=60, ignore_eos=True))[
+            0
+        ]
+    )
     params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, seed=s, ignore_eos=True) for s in range(600)]
 
     def outcomes(spec: SpeculativeConfig | None) -> tuple[Counter[tuple[int, int]], LLMEngine]:
@@ -187,3 +190,18 @@ def test_smollm2_greedy_with_ngram_speculation_equals_without(smollm2_dir: Path)
     assert [r.output_ids for r in got] == plain
     assert got[0].spec.accepted >= 16  # the counting prompt is mostly drafted
     print("smollm2 n-gram acceptance:", [f"{r.spec.accepted}/{r.spec.proposed}" for r in got])
+
+
+def test_no_drafting_above_the_batch_limit(tiny_engine_dir) -> None:
+    limited = SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=4, max_batch=1)
+    eng = engine(tiny_engine_dir("llama"), spec=limited)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    two = [eng.add_request(repetitive(30, s), params) for s in (1, 2)]
+    while eng.has_unfinished():
+        eng.step()
+    assert all(eng.request(i).spec.proposed == 0 for i in two)  # two running: no drafts
+    one = eng.add_request(repetitive(30, 1), params)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.request(one).spec.proposed > 0
+    assert eng.request(one).output_ids == eng.request(two[0]).output_ids

@@ -216,6 +216,9 @@ class SpeculativeConfig(_Frozen):
     ngram_max: int = Field(default=3, ge=1, description="longest suffix the n-gram drafter matches")
     ngram_min: int = Field(default=1, ge=1, description="shortest suffix the n-gram drafter matches")
     default: bool = Field(default=True, description="requests that do not say (speculate unset) speculate")
+    max_batch: int | None = Field(
+        default=None, ge=1, description="no drafting while more requests than this run (vLLM's disable-by-batch-size)"
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> SpeculativeConfig:

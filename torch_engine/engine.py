@@ -419,6 +419,11 @@ class LLMEngine:
         p, spec = req.params, self.config.speculative
         if self._drafter is None or p.penalized or not (spec.default if p.speculate is None else p.speculate):
             return []
+        if spec.max_batch is not None and len(self._scheduler.running) > spec.max_batch:
+            return []
+        if req.spec.skip:  # backing off after drafts that were wholly rejected
+            req.spec.skip -= 1
+            return []
         room = min(room, spec.num_tokens, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens)
         return self._drafter.propose(req.all_tokens, room) if room > 0 else []
 
@@ -433,6 +438,7 @@ class LLMEngine:
             n, nxt = rejection_sample(probabilities(logits, p), draft, req.sampler.generator)
             tokens = [*draft[:n], nxt]
         req.spec.add(len(draft), n)
+        req.spec.backoff(n)
         self.spec_stats.add(len(draft), n)
         lps = logprobs_of(logits[: n + 1], tokens, [p.logprobs] * (n + 1)) if p.logprobs is not None else []
         return tokens, lps
@@ -502,6 +508,7 @@ class LLMEngine:
             text="".join(o.text for o in outs),
             prompt_tokens=len(req.prompt_ids),
             logprobs=tuple(lp for o in outs for lp in o.logprobs),
+            drafts=(req.spec.proposed, req.spec.accepted),
         )
 
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -533,4 +540,5 @@ class LLMEngine:
             text=delta,
             prompt_tokens=len(req.prompt_ids),
             logprobs=(logprobs,) if logprobs is not None else (),
+            drafts=(req.spec.proposed, req.spec.accepted),
         )

@@ -104,3 +104,4 @@ class RequestOutput:
     text_window: tuple[int, ...] = ()  # tokens whose decoding, past ``text_skip`` of them, is ``text``
     text_skip: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``new_token_ids``, when the request asked for them
+    drafts: tuple[int, int] = (0, 0)  # the request's draft tokens so far: (proposed, accepted)

@@ -17,8 +17,9 @@ returns the logits of every position of the chunk, and:
 KV written for rejected positions is simply not counted (``num_computed`` stops after the last
 accepted token) and pages past the new end are returned (``Scheduler.trim``). ``k`` is fixed per
 deployment (``SpeculativeConfig.num_tokens``), shortened where the step budget, free pages, the
-context or ``max_tokens`` leave less room; requests with penalties do not speculate (their
-logits depend on the tokens a draft would add).
+context or ``max_tokens`` leave less room; how often a request drafts adapts: after drafts that
+were wholly rejected it backs off exponentially (``SpecStats.backoff``). Requests with penalties
+do not speculate (their logits depend on the tokens a draft would add).
 """
 
 from __future__ import annotations
@@ -81,11 +82,19 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0  # steps in which a draft was verified
+    misses: int = 0  # consecutive verified drafts with nothing accepted
+    skip: int = 0  # steps to decode without drafting (back-off after misses)
 
     def add(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
+
+    def backoff(self, accepted: int) -> None:
+        """After m drafts in a row with nothing accepted, skip 2**m - 1 steps (at most 15); any
+        accepted token resets it. Wasted verification on text that does not repeat stays small."""
+        self.misses = 0 if accepted else self.misses + 1
+        self.skip = min(2**self.misses, 16) - 1 if self.misses else 0
 
     @property
     def acceptance(self) -> float:

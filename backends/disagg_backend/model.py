@@ -352,6 +352,13 @@ class _NodeMetrics:
         self.queue = {q: queue.Metric(labels=self._labels | {"queue": q}) for q in ("waiting", "running")}
         self._records_family = records
         self.records: dict[str, Any] = {}
+        self._drafts_family = fam(
+            "disagg_draft_tokens_total", "Speculative draft tokens, proposed / accepted", fam.COUNTER
+        )
+        self.drafts = {
+            o: self._drafts_family.Metric(labels=self._labels | {"outcome": o}) for o in ("proposed", "accepted")
+        }
+        self._drafts_seen = (0, 0)
 
     def report(self, r: LoopReport) -> None:
         self.pages["free"].set(r.pages.free)
@@ -359,6 +366,11 @@ class _NodeMetrics:
         self.pages["pinned"].set(r.pages.pinned)
         self.queue["waiting"].set(r.waiting)
         self.queue["running"].set(r.running)
+        (proposed, accepted), (p0, a0) = r.drafts, self._drafts_seen
+        if proposed > p0 or accepted > a0:
+            self.drafts["proposed"].increment(proposed - p0)
+            self.drafts["accepted"].increment(accepted - a0)
+            self._drafts_seen = r.drafts
         for what, n in r.records.items():
             if what not in self.records:
                 self.records[what] = self._records_family.Metric(labels=self._labels | {"what": what})
@@ -377,13 +389,17 @@ class _Metrics(_NodeMetrics):
             fam("disagg_inter_token_latency_seconds", "Time between consecutive tokens of a request", fam.HISTOGRAM),
             fam("disagg_prompt_tokens_total", "Prompt tokens of finished requests", fam.COUNTER),
             fam("disagg_generation_tokens_total", "Generated tokens", fam.COUNTER),
+            fam(
+                "disagg_draft_acceptance_ratio", "Accepted / proposed draft tokens of finished requests", fam.HISTOGRAM
+            ),
         ]
-        ttft, itl, prompt, gen = self._latency
+        ttft, itl, prompt, gen, acceptance = self._latency
         model = {"model": Model.LLM.value}
         self.ttft = ttft.Metric(labels=model, buckets=buckets)
         self.itl = itl.Metric(labels=model, buckets=buckets)
         self.prompt_tokens = prompt.Metric(labels=model)
         self.generation_tokens = gen.Metric(labels=model)
+        self.acceptance = acceptance.Metric(labels=model, buckets=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
 
 
 class _TransferMetrics:
@@ -478,13 +494,25 @@ class _Responder:
             if self.first and out.new_token_ids:
                 self.tracer.mark(out.request_id, "first_token")
             if out.finished:
-                self.tracer.finish(out.request_id, output_tokens=len(out.output_ids) or len(self.all_ids))
-        if out.new_token_ids:
-            (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
+                proposed, accepted = out.drafts
+                tokens = len(out.output_ids) or len(self.all_ids)
+                self.tracer.finish(
+                    out.request_id, output_tokens=tokens, drafts_proposed=proposed, drafts_accepted=accepted
+                )
+        n = len(out.new_token_ids)
+        if n:  # per token: the tokens of a speculative burst share the wait before it
+            dt = now - self.last
+            if self.first:
+                self.metrics.ttft.observe(dt)
+            gaps = [0.0] * (n - 1) if self.first else [dt / n] * n
+            for gap in gaps:
+                self.metrics.itl.observe(gap)
             self.metrics.generation_tokens.increment(len(out.new_token_ids))
             self.first, self.last = False, now
         if out.finished:
             self.metrics.prompt_tokens.increment(out.prompt_tokens)
+            if out.drafts[0]:
+                self.metrics.acceptance.observe(out.drafts[1] / out.drafts[0])
 
 
 def _logprob_tensors(logprobs: list[TokenLogprobs]) -> list[Any]:

@@ -22,7 +22,7 @@ from orchestrator.triton import port_free
 from tests.deploy_harness import cluster, deployed, grpc_url, run_ids, run_texts
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
-from torch_engine.config import EngineConfig, SchedulerConfig
+from torch_engine.config import EngineConfig, Role, SchedulerConfig, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -229,3 +229,22 @@ def test_colocated_tp2_equals_tp1(tiny_engine_dir, tmp_path) -> None:
     with deployed(cfg) as launch:
         got = run_ids(grpc_url(launch), PROMPTS, 8)
     assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), PROMPTS, 8)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_speculating_decode_group_equals_colocated(tiny_engine_dir, tmp_path, prefill_tp: int, decode_tp: int) -> None:
+    """The decode group drafts n-gram tokens and verifies them (TP 1 and TP 2); the prefill group
+    (another TP size) never samples: greedy tokens equal plain decoding, and drafts were accepted."""
+    cfg = tiny_cfg(tmp_path, tiny_engine_dir, "llama", prefill_tp, decode_tp)
+    cfg = cfg.model_copy(update={"speculative": SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=4)})
+    phrase = prompt_of(6, 77)
+    prompts = [(phrase * 8)[:n] for n in (13, 30, 47)] + PROMPTS[2:5]
+    with deployed(cfg) as launch:
+        got = run_ids(grpc_url(launch), prompts, 24)
+        assert launch.prepared is not None
+        decode = next(ld for ld in launch.prepared.leaders if ld.slot.role is not Role.PREFILL)
+        with urllib.request.urlopen(f"http://127.0.0.1:{decode.ports.metrics}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), prompts, 24)
+    accepted = next(x for x in text.splitlines() if x.startswith("disagg_draft_tokens_total") and "accepted" in x)
+    assert float(accepted.rsplit(" ", 1)[1]) > 0, accepted
