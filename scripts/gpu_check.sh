@@ -2,7 +2,8 @@
 # The CUDA checks, in one run on a GPU machine, from the source tree (nothing installed but what the
 # machine has: torch + transformers; pydantic and gguf may come as wheels on PYTHONPATH):
 #   1. the engine's tests on cuda (equivalence on the reference, packed and decode-graph paths;
-#      decode-graph capture with the layer counter inside; HF equality of tiny models);
+#      decode-graph capture with the layer counter inside; HF equality of tiny models; speculative
+#      decoding) — TESTS_ONLY=1 stops after them;
 #   2. `bench engine` on cuda for a SmolLM2-shaped model (random weights), decode graphs on and off.
 # Usage: OUT=dir scripts/gpu_check.sh     (results: OUT/*.log, OUT/*.json)
 set -uo pipefail
@@ -12,10 +13,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee -a "$OUT/gpu.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider --device cuda -o addopts="" \
+timeout 300 python3 -m pytest -q -p no:cacheprovider --device cuda -o addopts="" \
   tests/test_decode_graphs.py tests/test_engine_equivalence.py tests/test_split_request.py \
   tests/test_models_vs_hf.py tests/test_layer_progress.py tests/test_bad_input.py tests/test_churn.py \
+  tests/test_speculative.py -k "not smollm2" \
   2>&1 | tee "$OUT/tests-cuda.log" | tail -25
+[ "${TESTS_ONLY:-0}" = 1 ] && exit 0
 python3 scripts/shaped_checkpoint.py "$OUT/smol-hf" >/dev/null
 python3 - "$OUT" <<'PY'
 import sys
