@@ -273,10 +273,21 @@ class PrefillSide:
 
     # -- messenger thread ----------------------------------------------------------------
     def _dst_layout(self, req: PrefillRequest) -> KVLayoutSpec:
-        try:
-            return self._peers[req.decode_ranks[0]].layout.model_copy(update={"tp_size": len(req.decode_ranks)})
-        except (KeyError, IndexError):
-            raise ValueError(f"request {req.request_id}: decode ranks {req.decode_ranks} are not connected") from None
+        """The destination's layout; refuses decode ranks this rank never shook hands with and pages
+        outside their pools (a prefill request must not make this rank write anywhere else)."""
+        strangers = [a for a in req.decode_ranks if a not in self._peers]
+        if strangers or not req.decode_ranks:
+            raise ValueError(f"request {req.request_id}: decode ranks {req.decode_ranks} are not connected")
+        peers = [self._peers[a] for a in req.decode_ranks]
+        if any(p.layout.tp_rank != r for r, p in enumerate(peers)):
+            raise ValueError(f"request {req.request_id}: decode ranks {req.decode_ranks} are not in TP-rank order")
+        pool = min(p.num_pages for p in peers)
+        bad = next((p for p in req.dst_pages if not 0 <= p < pool), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {req.request_id}: destination page {bad} is outside the decode pools (0..{pool - 1})"
+            )
+        return peers[0].layout.model_copy(update={"tp_size": len(req.decode_ranks)})
 
     def _run(self) -> None:
         while not self._stop.is_set():

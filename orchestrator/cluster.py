@@ -45,6 +45,20 @@ class GroupSpec(_Frozen):
     cores: list[int] | None = Field(default=None, description="CPU cores to pin each rank to (taskset), in rank order")
 
 
+class Restrict(enum.Enum):
+    AUTO = "auto"  # on when the deployment binds anything but loopback
+    ON = "on"
+    OFF = "off"
+
+
+class SecuritySpec(_Frozen):
+    restrict: Restrict = Field(
+        default=Restrict.AUTO,
+        description="Triton's model-repository protocol (every node) and inference protocol (prefill nodes) "
+        "need the deployment's secret key; auto: on unless bound to loopback",
+    )
+
+
 class PortSpec(_Frozen):
     http: int = Field(default=8000, ge=1, le=65535)
     grpc: int = Field(default=8001, ge=1, le=65535)
@@ -79,11 +93,19 @@ class ClusterConfig(_Frozen):
     transport: TransportSpec = TransportSpec()
     ports: PortSpec = PortSpec()
     router: RouterSpec = RouterSpec()
+    security: SecuritySpec = SecuritySpec()
     bind: str = Field(default="127.0.0.1", description="address every server binds to")
     threads_per_rank: int = Field(default=1, ge=1, description="torch threads of each rank")
     hosts: list[str] = Field(default_factory=list, description="hostfile lines (e.g. 'node1 slots=4'); empty: local")
     engine_cache: Path = Field(default=DEFAULT_ENGINE_CACHE)
     run_dir: Path = Field(default=Path("runs/deploy"), description="logs, rendered configs and the mpirun script")
+
+    @property
+    def restricted(self) -> bool:
+        """Do restricted protocols need the deployment's key (``security.restrict``)?"""
+        if self.security.restrict is Restrict.AUTO:
+            return not self.bind.startswith("127.") and self.bind not in ("localhost", "::1")
+        return self.security.restrict is Restrict.ON
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from orchestrator.triton import (
     NODE_CONFIG_ENV,
     REPO_ROOT,
     Ports,
+    Restriction,
     TritonInstall,
     backend_dir,
     http_ready,
@@ -123,6 +125,8 @@ class Launch:
         self.prepared: Prepared | None = None
         self._watched: dict[int, int] = {}  # pid -> MPI rank
         self.router: RouterProcess | None = None
+        # the deployment's secret for Triton's restricted protocols (run_dir/secret, mode 0600)
+        self.auth_key: str | None = secrets.token_urlsafe(24) if cfg.restricted else None
 
     # -- rendering -----------------------------------------------------------------------
     def prepare(self, install: TritonInstall | None = None, progress: bool = True) -> Prepared:
@@ -131,6 +135,11 @@ class Launch:
         dirs = engine_dirs(cfg, progress)
         for d in ("nodes", "logs", "traces"):
             (self.run_dir / d).mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "nodes").chmod(0o700)  # node configs carry the secret
+        if self.auth_key is not None:
+            secret = self.run_dir / "secret"
+            secret.touch(mode=0o600)
+            secret.write_text(self.auth_key + "\n", encoding="utf-8")
         backends = backend_dir(install, self.run_dir / "backends")
         slots = cfg.rank_map()
         leader_slots = [s for s in slots if s.is_leader]
@@ -147,7 +156,7 @@ class Launch:
                 log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
                 argv = triton_command(
                     install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models,
-                    shm_prefix(f"{self.run_id}_{slot.name.replace('.', '_')}"), log_file,
+                    shm_prefix(f"{self.run_id}_{slot.name.replace('.', '_')}"), log_file, self._restriction(slot),
                 )  # fmt: skip
             else:
                 argv = [sys.executable, "-m", "serving.worker", str(node_path)]
@@ -165,7 +174,7 @@ class Launch:
             f"cd {shlex.quote(str(REPO_ROOT))}\n{exports}exec {body}\n",
             encoding="utf-8",
         )
-        script.chmod(0o755)
+        script.chmod(0o700 if self.auth_key is not None else 0o755)  # with the secret in it: the owner only
         self.router = self._router(leaders, dirs[cfg.serving_role()])
         router_url = f"{self.router.url}/v1" if self.router is not None else None
         self.prepared = Prepared(script, command, leaders, slots, self.run_dir, router_url)
@@ -208,6 +217,14 @@ class Launch:
         # the client-facing ensemble needs a tokenizer; a tokenizer-less engine serves token ids on `decode`
         return (Model.LLM, Model.ENSEMBLE) if EngineManifest.load(engine_dir).has_tokenizer else (Model.DECODE,)
 
+    def _restriction(self, slot: RankSlot) -> Restriction | None:
+        """Model control on every node; on prefill nodes also inference (a prefill request makes the
+        node write into decode memory): only the deployment's own callers, which carry the key."""
+        if self.auth_key is None:
+            return None
+        protocols = ("model-repository", "inference") if slot.role is Role.PREFILL else ("model-repository",)
+        return Restriction(protocols, self.auth_key)
+
     def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
         engine: dict[str, object] = {
@@ -234,6 +251,7 @@ class Launch:
             host=cfg.bind,
             grpc_url=f"{cfg.bind}:{ports.grpc}" if ports is not None else None,
             trace_path=self.run_dir / "traces" / f"{slot.name}.jsonl" if slot.is_leader else None,
+            auth_key=self.auth_key,
         )
         path = self.run_dir / "nodes" / f"{slot.name}.yaml"
         node.dump(path)

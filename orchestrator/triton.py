@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.node_config import NODE_CONFIG_ENV
+from serving.node_config import AUTH_HEADER, NODE_CONFIG_ENV
 from serving.ports import free_port, port_free
 
 __all__ = ["NODE_CONFIG_ENV", "Ports", "TritonServer", "free_port", "port_free"]
@@ -97,9 +97,15 @@ def triton_command(
     models: tuple[str, ...],
     shm_prefix: str,
     log_file: Path | None = None,
+    restrict: Restriction | None = None,
 ) -> list[str]:
     """``tritonserver`` bound to ``host``, explicit model control loading ``models``; the Python backend's
-    shared-memory regions are named ``shm_prefix...`` so that ``remove_shm`` finds what a killed stub left."""
+    shared-memory regions are named ``shm_prefix...`` so that ``remove_shm`` finds what a killed stub left.
+    With ``restrict``, its protocols (gRPC and HTTP) answer only calls that carry the key."""
+    locks = []
+    if restrict is not None:
+        spec = f"{','.join(restrict.protocols)}:{AUTH_HEADER}={restrict.key}"
+        locks = [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
     return [
         str(install.binary),
         f"--model-repository={model_repo}",
@@ -116,7 +122,16 @@ def triton_command(
         "--model-control-mode=explicit",
         *(f"--load-model={m}" for m in models),
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        *locks,
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """Triton protocols that answer only calls carrying ``AUTH_HEADER: key``."""
+
+    protocols: tuple[str, ...]
+    key: str
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:

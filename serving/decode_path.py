@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kv_messenger.protocol import PrefillRequest
 from serving.kv_links import DecodeLink
-from serving.prefill_client import CallerFactory, Delivery, PrefillCaller, PrefillGroup, Reply
+from serving.prefill_client import Caller, CallerFactory, Delivery, PrefillCaller, PrefillGroup, Reply
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupDecodeSide
 from serving.trace import Tracer
@@ -60,6 +60,7 @@ class KVFetcher:
         call_timeout_s: float,
         tracer: Tracer | None = None,
         caller: CallerFactory | None = None,
+        auth_key: str | None = None,
     ) -> None:
         if not groups:
             raise ValueError("a disaggregated decode node needs at least one prefill group")
@@ -69,8 +70,10 @@ class KVFetcher:
         self.router = Router(len(groups))
         self.tracer = tracer
         self._replies: queue.Queue[Reply] = queue.Queue()
-        make = caller or PrefillCaller
-        self.callers = [make(g, call_timeout_s, self._replies) for g in groups]
+        if caller is None:
+            self.callers: list[Caller] = [PrefillCaller(g, call_timeout_s, self._replies, auth_key) for g in groups]
+        else:
+            self.callers = [caller(g, call_timeout_s, self._replies) for g in groups]
         self._pending: dict[str, _Pending] = {}
         self._queued: deque[_Queued] = deque()  # admitted, waiting for free pages to reserve
 

@@ -46,7 +46,7 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
         side = rank.decode_side()
         groups = rank.prefill_groups()
         t = node.timeouts
-        kv = KVFetcher(rank.engine, side, groups, t.kv_transfer_s, t.prefill_request_s, tracer)
+        kv = KVFetcher(rank.engine, side, groups, t.kv_transfer_s, t.prefill_request_s, tracer, auth_key=node.auth_key)
     channel = rank.channel
 
     def on_exit() -> None:

@@ -16,6 +16,8 @@ from kv_messenger.config import TransportSpec
 from torch_engine.config import EngineConfig, Role
 
 NODE_CONFIG_ENV = "DISAGG_NODE_CONFIG"  # the node config file of a serving process
+AUTH_HEADER = "x-disagg-key"  # the header restricted Triton protocols check (lower case: gRPC metadata)
+GRPC_AUTH_HEADER = f"triton-grpc-protocol-{AUTH_HEADER}"  # what Triton expects of gRPC callers for it
 
 
 class _Frozen(BaseModel):
@@ -67,6 +69,7 @@ class NodeConfig(_Frozen):
     host: str = "127.0.0.1"  # where this rank's servers (TP rendezvous, Triton) listen
     grpc_url: str | None = None  # group leaders: their Triton gRPC endpoint, announced to the peers
     trace_path: Path | None = None  # JSONL of per-request server-side timestamps (benchmarks)
+    auth_key: str | None = None  # the deployment's secret: sent (AUTH_HEADER) on calls to restricted protocols
 
     @classmethod
     def load(cls, path: str | Path) -> NodeConfig:

@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from kv_messenger.protocol import PrefillRequest
 from serving.names import Model, Tensor
+from serving.node_config import GRPC_AUTH_HEADER
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +67,14 @@ def delivery_of(exc: InferenceServerException) -> Delivery:
 class PrefillCaller:
     """Async Triton gRPC calls to one prefill group's ``prefill`` model; replies go to a queue."""
 
-    def __init__(self, group: PrefillGroup, timeout_s: float, replies: queue.Queue[Reply]) -> None:
+    def __init__(
+        self, group: PrefillGroup, timeout_s: float, replies: queue.Queue[Reply], auth_key: str | None = None
+    ) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self.replies = replies
         self.client = grpcclient.InferenceServerClient(group.grpc_url)
+        self.headers = {GRPC_AUTH_HEADER: auth_key} if auth_key else None  # prefill nodes restrict inference
 
     def call(self, req: PrefillRequest) -> None:
         inp = grpcclient.InferInput(Tensor.PREFILL_REQUEST, [1], "BYTES")
@@ -78,7 +82,9 @@ class PrefillCaller:
         out = grpcclient.InferRequestedOutput(Tensor.LOAD_TOKENS)
         done = partial(self._done, req.request_id, req.epoch)
         try:
-            self.client.async_infer(Model.PREFILL, [inp], done, outputs=[out], client_timeout=self.timeout_s)
+            self.client.async_infer(
+                Model.PREFILL, [inp], done, outputs=[out], client_timeout=self.timeout_s, headers=self.headers
+            )
         except InferenceServerException as exc:  # raised before the call went out
             self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, str(exc), Delivery.UNREACHED))
 

@@ -480,3 +480,17 @@ def test_writes_delayed_past_the_decoders_deadline_land_only_in_pages_still_held
         assert loop.live() == 0 and pt.faults.stalled >= 1
     finally:
         loop.stop()
+
+
+def test_a_prefill_rank_writes_only_to_decode_ranks_it_shook_hands_with(tiny_engine_dir) -> None:
+    _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir)
+    try:
+        req = dlink.start(prompt_of(12, 1), GREEDY, "ok")
+        side = loop.side.local
+        with pytest.raises(ValueError, match="not connected"):
+            side.submit(req.model_copy(update={"request_id": "x1", "decode_ranks": ["stranger"]}))
+        with pytest.raises(ValueError, match="outside the decode pools"):
+            side.submit(req.model_copy(update={"request_id": "x2", "dst_pages": [0, decode.config.num_pages]}))
+        assert side.jobs() == 0 and pt.faults.stalled == 0
+    finally:
+        loop.stop()
