@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from builders.build import DEFAULT_ENGINE_CACHE
 from frontend.config import RouterSpec
@@ -37,12 +37,33 @@ class Mode(enum.Enum):
     COLOCATED = "colocated"
 
 
+class Device(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"  # one GPU per rank (CUDA_VISIBLE_DEVICES), NCCL inside TP groups
+
+
+class HostSpec(_Frozen):
+    """A machine of the deployment."""
+
+    name: str = Field(min_length=1, description="the host's name as mpirun reaches it (hostfile, ssh)")
+    address: str = Field(min_length=1, description="the address its servers bind to and advertise to the others")
+    slots: int | None = Field(default=None, ge=1, description="ranks it may run; None: no limit")
+    cores: list[int] | None = Field(default=None, description="CPU cores its ranks are pinned to, in placement order")
+    gpus: list[int] = Field(default_factory=list, description="GPU ids it offers (CUDA_VISIBLE_DEVICES values)")
+    workdir: Path | None = Field(default=None, description="the ranks' working directory there; None: mpirun's")
+
+
 class GroupSpec(_Frozen):
     count: int = Field(default=1, ge=0, description="number of groups of this role")
     tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per group")
     engine_dir: Path | None = Field(default=None, description="a built engine; None: build from `model`")
     num_pages: int | None = Field(default=None, ge=1, description="KV pages per rank; None: the engine's default")
     cores: list[int] | None = Field(default=None, description="CPU cores to pin each rank to (taskset), in rank order")
+    device: Device = Field(default=Device.CPU, description="where its engines run: cpu, or cuda (one GPU per rank)")
+    hosts: list[str] | None = Field(
+        default=None,
+        description="the host of each group, by name, in group order; None: packed onto the hosts in order",
+    )
 
 
 class Restrict(enum.Enum):
@@ -96,16 +117,28 @@ class ClusterConfig(_Frozen):
     security: SecuritySpec = SecuritySpec()
     bind: str = Field(default="127.0.0.1", description="address every server binds to")
     threads_per_rank: int = Field(default=1, ge=1, description="torch threads of each rank")
-    hosts: list[str] = Field(default_factory=list, description="hostfile lines (e.g. 'node1 slots=4'); empty: local")
+    hosts: list[HostSpec] = Field(default_factory=list, description="the machines; empty: this one")
+    tp_across_hosts: bool = Field(default=False, description="may a TP group's ranks be spread over hosts")
     engine_cache: Path = Field(default=DEFAULT_ENGINE_CACHE)
     run_dir: Path = Field(default=Path("runs/deploy"), description="logs, rendered configs and the mpirun script")
 
     @property
     def restricted(self) -> bool:
         """Do restricted protocols need the deployment's key (``security.restrict``)?"""
-        if self.security.restrict is Restrict.AUTO:
-            return not self.bind.startswith("127.") and self.bind not in ("localhost", "::1")
+        if self.security.restrict is Restrict.AUTO:  # anything reachable from another machine
+            loopback = self.bind.startswith("127.") or self.bind in ("localhost", "::1")
+            return self.multi_host or not loopback
         return self.security.restrict is Restrict.ON
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _host_entries(cls, value: object) -> object:
+        if isinstance(value, list) and any(isinstance(h, str) for h in value):
+            raise ValueError(
+                "each entry is {name, address, slots, cores, gpus, workdir}: a hostfile line like "
+                "'node1 slots=2' does not say which address the host's servers use"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -125,6 +158,17 @@ class ClusterConfig(_Frozen):
             raise ValueError(f"router.port {self.router.port} is also one of the Triton ports {ports}")
         if self.scheduler.max_prefill_chunk > self.scheduler.max_num_batched_tokens:
             raise ValueError("scheduler.max_prefill_chunk must not exceed scheduler.max_num_batched_tokens")
+        names = [h.name for h in self.hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"hosts: names must differ, got {names}")
+        for role, spec in (("prefill", self.prefill), ("decode", self.decode)):
+            if spec.hosts is not None:
+                if len(spec.hosts) != spec.count:
+                    raise ValueError(f"{role}.hosts names {len(spec.hosts)} hosts for {spec.count} groups")
+                unknown = sorted(set(spec.hosts) - set(names))
+                if unknown:
+                    raise ValueError(f"{role}.hosts: unknown host {unknown[0]!r} (hosts: {names})")
+        self.rank_map()  # placement problems (room, GPUs) are configuration errors, named now
         return self
 
     @classmethod
@@ -155,17 +199,29 @@ class ClusterConfig(_Frozen):
         """What decode groups do: DECODE (KV from prefill groups) or COLOCATED (prefill themselves)."""
         return Role.DECODE if self.mode is Mode.DISAGGREGATED else Role.COLOCATED
 
+    @property
+    def multi_host(self) -> bool:
+        """Do the ranks run on more than one host? (Then each binds and advertises its host's address.)"""
+        return len({s.host.name if s.host is not None else None for s in self.rank_map()}) > 1
+
     def rank_map(self) -> list[RankSlot]:
-        """Every MPI rank of the deployment, in MPMD order."""
+        """Every MPI rank of the deployment, in MPMD order, placed: on the host its group names, or
+        packed (the first host with room for the whole group: slots, and GPUs for cuda groups)."""
         slots: list[RankSlot] = []
+        placer = _Placer(self.hosts, self.tp_across_hosts)
         groups = [(self.serving_role(), self.decode), (Role.PREFILL, self.prefill)]
         for role, spec in groups:
             if role is Role.PREFILL and self.mode is Mode.COLOCATED:
                 continue
+            kind = "prefill" if role is Role.PREFILL else "decode"
             for g in range(spec.count):
-                for r in range(spec.tp):
-                    core = spec.cores[g * spec.tp + r] if spec.cores is not None else None
-                    slots.append(RankSlot(len(slots), role, g, r, spec.tp, core))
+                what = f"{kind} group {g} (TP {spec.tp}{', cuda' if spec.device is Device.CUDA else ''})"
+                wanted = spec.hosts[g] if spec.hosts is not None else None
+                places = placer.place(what, spec.tp, spec.device is Device.CUDA, wanted)
+                for r, (host, core, gpu) in enumerate(places):
+                    if spec.cores is not None:
+                        core = spec.cores[g * spec.tp + r]
+                    slots.append(RankSlot(len(slots), role, g, r, spec.tp, core, host, gpu, spec.device))
         return slots
 
 
@@ -177,6 +233,9 @@ class RankSlot:
     tp_rank: int
     tp_size: int
     core: int | None = None
+    host: HostSpec | None = None  # None: the launching machine
+    gpu: int | None = None  # CUDA_VISIBLE_DEVICES of a cuda rank
+    device: Device = Device.CPU
 
     @property
     def is_leader(self) -> bool:
@@ -190,3 +249,59 @@ class RankSlot:
     def describe(self) -> str:
         kind = "prefill" if self.role is Role.PREFILL else ("decode" if self.role is Role.DECODE else "colocated")
         return f"{kind} group {self.group} TP rank {self.tp_rank} (MPI rank {self.mpi_rank})"
+
+
+_Place = tuple[HostSpec | None, int | None, int | None]  # (host, core, GPU)
+
+
+class _Placer:
+    """Hands out (host, core, GPU) places rank by rank; a group stays on one host unless allowed."""
+
+    def __init__(self, hosts: list[HostSpec], spread: bool) -> None:
+        self.hosts, self.spread = hosts, spread
+        self.ranks = {h.name: 0 for h in hosts}
+        self.gpus = {h.name: 0 for h in hosts}
+        self.local_gpus = 0
+
+    def _room(self, h: HostSpec, cuda: bool) -> int:
+        ranks = (h.slots - self.ranks[h.name]) if h.slots is not None else 1 << 30
+        return min(ranks, len(h.gpus) - self.gpus[h.name]) if cuda else ranks
+
+    def place(
+        self, what: str, n: int, cuda: bool, wanted: str | None
+    ) -> list[tuple[HostSpec | None, int | None, int | None]]:
+        if not self.hosts:  # this machine: GPUs 0, 1, ... in rank order
+            start, self.local_gpus = self.local_gpus, self.local_gpus + (n if cuda else 0)
+            return [(None, None, start + i if cuda else None) for i in range(n)]
+        if wanted is not None:
+            host = next(h for h in self.hosts if h.name == wanted)
+            room = self._room(host, cuda)
+            if room < n:
+                kind = "GPUs" if cuda and len(host.gpus) - self.gpus[host.name] < n else "slots"
+                raise ValueError(f"{what} does not fit on host {host.name!r}: {room} free {kind} left, it needs {n}")
+            return [self._take(host, cuda) for _ in range(n)]
+        fits = next((h for h in self.hosts if self._room(h, cuda) >= n), None)
+        if fits is not None:
+            return [self._take(fits, cuda) for _ in range(n)]
+        if not self.spread:
+            raise ValueError(
+                f"{what} fits on no single host and tp_across_hosts is off "
+                f"(free {'GPUs' if cuda else 'slots'}: {[(h.name, self._room(h, cuda)) for h in self.hosts]})"
+            )
+        places = []
+        for _ in range(n):
+            h = next((h for h in self.hosts if self._room(h, cuda) > 0), None)
+            if h is None:
+                raise ValueError(f"{what} does not fit on the hosts: every {'GPU' if cuda else 'slot'} is taken")
+            places.append(self._take(h, cuda))
+        return places
+
+    def _take(self, h: HostSpec, cuda: bool) -> _Place:
+        i = self.ranks[h.name]
+        self.ranks[h.name] += 1
+        core = h.cores[i] if h.cores is not None and i < len(h.cores) else None
+        gpu = None
+        if cuda:
+            gpu = h.gpus[self.gpus[h.name]]
+            self.gpus[h.name] += 1
+        return h, core, gpu

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -61,6 +62,7 @@ class Leader:
     slot: RankSlot
     ports: Ports
     models: tuple[str, ...]
+    address: str = "127.0.0.1"  # where its servers are reached
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class Prepared:
         for ld in self.leaders:
             role = "prefill" if ld.slot.role is Role.PREFILL else "decode"
             out[f"{role}{ld.slot.group}"] = {
+                "address": ld.address,
                 "http": ld.ports.http,
                 "grpc": ld.ports.grpc,
                 "metrics": ld.ports.metrics,
@@ -103,17 +106,41 @@ def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
     return dirs
 
 
+log = logging.getLogger(__name__)
+
+MULTI_HOST_PORT_BASE = 20000  # other leaders' ports on remote hosts (free ports can be probed only here)
+
+
 def _ports(cfg: ClusterConfig, leaders: list[RankSlot]) -> list[Ports]:
+    """The first decode group's leader gets the configured ports; the others ``internal_base + 3 * i``
+    (``i`` counting leaders on the same host), or free ports when the deployment runs only here."""
     out = []
-    for i, slot in enumerate(leaders):
+    on_host: dict[str | None, int] = {}
+    multi = cfg.multi_host
+    for slot in leaders:
+        name = slot.host.name if slot.host is not None else None
+        i = on_host[name] = on_host.get(name, -1) + 1
         if slot.role is not Role.PREFILL and slot.group == 0:
             out.append(Ports(cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
-        elif cfg.ports.internal_base is not None:
-            base = cfg.ports.internal_base + 3 * i
+        elif cfg.ports.internal_base is not None or multi:
+            base = (cfg.ports.internal_base or MULTI_HOST_PORT_BASE) + 3 * i
             out.append(Ports(base, base + 1, base + 2))
         else:
             out.append(Ports.free(cfg.bind))
     return out
+
+
+def address(cfg: ClusterConfig, slot: RankSlot) -> str:
+    """Where a rank's servers are reached: its host's address when the deployment spans hosts, else
+    the bind address (loopback by default; 127.0.0.1 when binding 0.0.0.0)."""
+    if cfg.multi_host and slot.host is not None:
+        return slot.host.address
+    return "127.0.0.1" if cfg.bind == "0.0.0.0" else cfg.bind
+
+
+def bind_address(cfg: ClusterConfig, slot: RankSlot) -> str:
+    """What a rank's servers bind to: its address, or every interface only when the config says 0.0.0.0."""
+    return "0.0.0.0" if cfg.bind == "0.0.0.0" else address(cfg, slot)
 
 
 class Launch:
@@ -141,6 +168,8 @@ class Launch:
             secret.touch(mode=0o600)
             secret.write_text(self.auth_key + "\n", encoding="utf-8")
         backends = backend_dir(install, self.run_dir / "backends")
+        if cfg.bind == "0.0.0.0":
+            log.warning("bind 0.0.0.0: every server listens on every interface (the config says so)")
         slots = cfg.rank_map()
         leader_slots = [s for s in slots if s.is_leader]
         ports = dict(zip([s.mpi_rank for s in leader_slots], _ports(cfg, leader_slots), strict=True))
@@ -150,17 +179,21 @@ class Launch:
         for slot in slots:
             node_path = self._write_node(slot, dirs[slot.role], ports.get(slot.mpi_rank))
             pin = ["taskset", "-c", str(slot.core)] if slot.core is not None else []
+            gpu = [f"CUDA_VISIBLE_DEVICES={slot.gpu}"] if slot.gpu is not None else []
             if slot.is_leader:
                 models = self._models(slot, dirs[slot.role])
-                leaders.append(Leader(slot, ports[slot.mpi_rank], models))
+                leaders.append(Leader(slot, ports[slot.mpi_rank], models, address(cfg, slot)))
                 log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
                 argv = triton_command(
-                    install, REPO_ROOT / "model_repo", backends, cfg.bind, ports[slot.mpi_rank], models,
+                    install, REPO_ROOT / "model_repo", backends, bind_address(cfg, slot), ports[slot.mpi_rank], models,
                     shm_prefix(f"{self.run_id}_{slot.name.replace('.', '_')}"), log_file, self._restriction(slot),
                 )  # fmt: skip
             else:
                 argv = [sys.executable, "-m", "serving.worker", str(node_path)]
-            apps.append(["-n", "1", "env", f"{NODE_CONFIG_ENV}={node_path}", *pin, *argv])
+            where = ["--host", slot.host.name] if slot.host is not None else []
+            if slot.host is not None and slot.host.workdir is not None:
+                where += ["--wdir", str(slot.host.workdir)]
+            apps.append(["-n", "1", *where, "env", f"{NODE_CONFIG_ENV}={node_path}", *gpu, *pin, *argv])
         command = [str(Path(sys.executable).parent / "mpirun"), *self._mpi_flags(env)]
         for i, app in enumerate(apps):
             command += ([":"] if i else []) + app
@@ -188,7 +221,7 @@ class Launch:
         if not cfg.router.enabled or not EngineManifest.load(engine_dir).has_tokenizer:
             return None
         groups = [
-            GroupEndpoint(name=ld.slot.name.split(".")[0], grpc_url=f"{cfg.bind}:{ld.ports.grpc}")
+            GroupEndpoint(name=ld.slot.name.split(".")[0], grpc_url=f"{address(cfg, ld.slot)}:{ld.ports.grpc}")
             for ld in leaders
             if ld.slot.role is not Role.PREFILL
         ]
@@ -204,8 +237,13 @@ class Launch:
     def _mpi_flags(self, env: dict[str, str]) -> list[str]:
         flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--output", "tag"]
         if self.cfg.hosts:
+            placed: dict[str, int] = {}
+            for s in self.cfg.rank_map():
+                if s.host is not None:
+                    placed[s.host.name] = placed.get(s.host.name, 0) + 1
+            lines = [f"{h.name} slots={placed[h.name]}" for h in self.cfg.hosts if h.name in placed]
             hostfile = self.run_dir / "hostfile"
-            hostfile.write_text("\n".join(self.cfg.hosts) + "\n", encoding="utf-8")
+            hostfile.write_text("\n".join(lines) + "\n", encoding="utf-8")
             flags += ["--hostfile", str(hostfile)]
         for key in env:
             flags += ["-x", key]
@@ -232,6 +270,7 @@ class Launch:
             "dtype": cfg.run_dtype,
             "scheduler": cfg.scheduler,
             "num_threads": cfg.threads_per_rank,
+            "device": slot.device.value,  # cuda: the rank sees its one GPU (CUDA_VISIBLE_DEVICES) as cuda:0
         }
         if spec.num_pages is not None:  # else the engine's own default
             engine["num_pages"] = spec.num_pages
@@ -248,8 +287,8 @@ class Launch:
             tp_rank=slot.tp_rank,
             tp_size=slot.tp_size,
             mpi_rank=slot.mpi_rank,
-            host=cfg.bind,
-            grpc_url=f"{cfg.bind}:{ports.grpc}" if ports is not None else None,
+            host=address(cfg, slot),
+            grpc_url=f"{address(cfg, slot)}:{ports.grpc}" if ports is not None else None,
             trace_path=self.run_dir / "traces" / f"{slot.name}.jsonl" if slot.is_leader else None,
             auth_key=self.auth_key,
         )
@@ -262,8 +301,9 @@ class Launch:
         prepared = self.prepared or self.prepare()
         for ld in prepared.leaders:
             for name, port in (("http", ld.ports.http), ("grpc", ld.ports.grpc), ("metrics", ld.ports.metrics)):
-                if not self.cfg.hosts and not port_free(self.cfg.bind, port):
-                    raise LaunchError(f"{ld.slot.describe()}: {name} port {self.cfg.bind}:{port} is already in use")
+                here = address(self.cfg, ld.slot)
+                if not self.cfg.multi_host and not port_free(here, port):
+                    raise LaunchError(f"{ld.slot.describe()}: {name} port {here}:{port} is already in use")
         if self.router is not None and not port_free(self.cfg.bind, self.cfg.router.port):
             raise LaunchError(f"the router's port {self.cfg.bind}:{self.cfg.router.port} is already in use")
         log = (self.run_dir / "mpirun.log").open("wb")
@@ -288,7 +328,7 @@ class Launch:
             if time.monotonic() > deadline:
                 self.stop()
                 raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{self.failure_report()}")
-            pending = [ld for ld in pending if not http_ready(self.cfg.bind, ld.ports.http)]
+            pending = [ld for ld in pending if not http_ready(address(self.cfg, ld.slot), ld.ports.http)]
             time.sleep(0.25)
         self._wait_router(deadline)
         self._watched = run_processes(self.run_id)

@@ -126,8 +126,13 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
     import torch.distributed as dist
 
     lead = next(a for a in first if a.role is node.role and a.group == node.group and a.tp_rank == 0)
+    cuda = node.engine.device.startswith("cuda")
+    if cuda:  # the rank's one visible GPU: NCCL's collectives and the step broadcasts live there
+        import torch
+
+        torch.cuda.set_device(0)
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://{lead.host}:{lead.tp_port}",
         rank=node.tp_rank,
         world_size=node.tp_size,
