@@ -53,6 +53,20 @@ class HostSpec(_Frozen):
     workdir: Path | None = Field(default=None, description="the ranks' working directory there; None: mpirun's")
 
 
+class NetworkSpec(_Frozen):
+    """How ranks on several hosts reach each other (mpirun's launch and wire-up, UCX)."""
+
+    interface: str | None = Field(
+        default=None, description="the one interface MPI's out-of-band / TCP traffic and UCX use (e.g. eth0)"
+    )
+    launch_agent: str | None = Field(
+        default=None, description="what starts mpirun's daemons on other hosts, called like ssh (HOST COMMAND...)"
+    )
+    ucx_transports: str | None = Field(
+        default=None, description="UCX_TLS of the ranks, e.g. 'tcp,self' where hosts share a kernel (emulated hosts)"
+    )
+
+
 class GroupSpec(_Frozen):
     count: int = Field(default=1, ge=0, description="number of groups of this role")
     tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per group")
@@ -119,6 +133,7 @@ class ClusterConfig(_Frozen):
     threads_per_rank: int = Field(default=1, ge=1, description="torch threads of each rank")
     hosts: list[HostSpec] = Field(default_factory=list, description="the machines; empty: this one")
     tp_across_hosts: bool = Field(default=False, description="may a TP group's ranks be spread over hosts")
+    network: NetworkSpec = NetworkSpec()
     engine_cache: Path = Field(default=DEFAULT_ENGINE_CACHE)
     run_dir: Path = Field(default=Path("runs/deploy"), description="logs, rendered configs and the mpirun script")
 

@@ -232,10 +232,21 @@ class Launch:
 
     def _environment(self, install: TritonInstall) -> dict[str, str]:
         """What every rank needs: the Triton stub's environment, and this run's id (to find its processes)."""
-        return stub_environment(install) | {RUN_ID_ENV: self.run_id, "OMP_NUM_THREADS": str(self.cfg.threads_per_rank)}
+        env = stub_environment(install) | {RUN_ID_ENV: self.run_id, "OMP_NUM_THREADS": str(self.cfg.threads_per_rank)}
+        net = self.cfg.network
+        if net.ucx_transports is not None:
+            env["UCX_TLS"] = net.ucx_transports
+        if net.interface is not None:
+            env["UCX_NET_DEVICES"] = net.interface
+        return env
 
     def _mpi_flags(self, env: dict[str, str]) -> list[str]:
         flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--output", "tag"]
+        net = self.cfg.network
+        if net.launch_agent is not None:
+            flags += ["--prtemca", "plm_ssh_agent", net.launch_agent]
+        if net.interface is not None:
+            flags += ["--prtemca", "oob_tcp_if_include", net.interface, "--mca", "btl_tcp_if_include", net.interface]
         if self.cfg.hosts:
             placed: dict[str, int] = {}
             for s in self.cfg.rank_map():

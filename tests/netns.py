@@ -4,8 +4,10 @@
     10.231.N.1 / .2 / .3 (N picked per run) and its own loopback; a fourth namespace holds the
     bridge ("the switch"). Every address lives inside namespaces this fixture creates; nothing is
     added to the machine's own network. ``run(host, argv)`` prefixes ``ip netns exec``;
-    ``rx_bytes`` / ``tx_bytes`` read a host's interface counters; ``close()`` (always, also on
-    failure: a context manager) deletes the namespaces, and with them the veth pairs.
+    ``rx_bytes`` / ``tx_bytes`` read a host's interface counters; every host's name resolves on every
+    host (``/etc/netns/NAME/hosts``, which ``ip netns exec`` mounts as ``/etc/hosts``); ``close()``
+    (always, also on failure: a context manager) deletes the namespaces, and with them the veth pairs.
+    ``scripts/netns_agent.sh`` is the launch agent mpirun uses to start ranks on these hosts.
 
 By hand (as root): ``python -m tests.netns up 3`` prints the hosts and their addresses,
 ``python -m tests.netns down`` removes every namespace this module made (their names start with
@@ -16,9 +18,11 @@ missing, ``available()`` says why and the tests that need it skip with that reas
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PREFIX = "dsg"
 
@@ -67,6 +71,11 @@ class EmulatedHosts:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 self.names.append(ns)
                 self.addresses.append(addr)
+            for ns in self.names:  # names resolve on every host (``ip netns exec`` mounts this as /etc/hosts)
+                folder = Path("/etc/netns") / ns
+                folder.mkdir(parents=True, exist_ok=True)
+                lines = "".join(f"{a} {n}\n" for n, a in zip(self.names, self.addresses, strict=True))
+                (folder / "hosts").write_text(f"127.0.0.1 localhost\n{lines}", encoding="utf-8")
         except BaseException:
             self.close()
             raise
@@ -92,6 +101,8 @@ class EmulatedHosts:
         return self._counter(host, "tx_bytes")
 
     def close(self) -> None:
+        for ns in self._made:
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         self._made.clear()
@@ -106,6 +117,7 @@ class EmulatedHosts:
 def _down() -> None:
     listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout.split()
     for ns in [n for n in listed if n.startswith(PREFIX)]:
+        shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         print("removed", ns)
 

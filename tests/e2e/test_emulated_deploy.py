@@ -1,0 +1,74 @@
+"""A real deployment across three emulated hosts (network namespaces on a bridge): prefill groups on
+hosts 0 and 1, the decode group on host 2; mpirun starts the ranks through ``scripts/netns_agent.sh``
+(as it would through ssh), every rank binds and advertises its host's address, MPI and UCX use the
+hosts' one interface, UCX is forced onto TCP. The launcher and the client run on host 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import tiny_engine
+from tests.netns import EmulatedHosts, available
+from tests.test_engine_equivalence import prompt_of
+from torch_engine.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+WHY = available()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated hosts: {WHY}")
+PROMPTS = [prompt_of(n, 40 + n) for n in (3, 9, 17, 26, 33, 41, 52, 60)]
+
+
+def deploy_across(hosts: EmulatedHosts, tmp: Path, prefill: dict, decode: dict, max_tokens: int = 8) -> dict:
+    cfg = {
+        "mode": "disaggregated",
+        "hosts": [{"name": n, "address": a} for n, a in zip(hosts.names, hosts.addresses, strict=True)],
+        "prefill": prefill,
+        "decode": decode,
+        "page_size": 4,
+        "run_dtype": "float32",
+        "network": {"interface": "eth0", "launch_agent": str(REPO / "scripts/netns_agent.sh"),
+                    "ucx_transports": "tcp,self"},
+        "timeouts": {"startup_s": 240, "kv_transfer_s": 60, "shutdown_s": 20},
+        "router": {"enabled": False},
+        "run_dir": str(tmp / "run"),
+        "engine_cache": str(tmp / "engines"),
+    }  # fmt: skip
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    (tmp / "prompts.json").write_text(json.dumps(PROMPTS), encoding="utf-8")
+    head = hosts.names[2]
+    script = (f"hostname {head}; exec {sys.executable} -m tests.emulated_deploy {tmp / 'cluster.yaml'} "
+              f"{tmp / 'prompts.json'} {tmp / 'out.json'} --max-tokens {max_tokens}")  # fmt: skip
+    argv = hosts.run(2, ["unshare", "--uts", "sh", "-c", script])
+    done = subprocess.run(argv, check=False, cwd=REPO, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_two_prefill_hosts_and_a_decode_host(tiny_engine_dir, tmp_path: Path) -> None:
+    engine = str(tiny_engine_dir("llama"))
+    with EmulatedHosts(3) as hosts:
+        before = hosts.rx_bytes(2)
+        out = deploy_across(
+            hosts, tmp_path,
+            prefill={"count": 2, "engine_dir": engine, "num_pages": 256, "hosts": [hosts.names[0], hosts.names[1]]},
+            decode={"count": 1, "engine_dir": engine, "num_pages": 256, "hosts": [hosts.names[2]]},
+        )  # fmt: skip
+        received = hosts.rx_bytes(2) - before
+        leaders = out["leaders"]
+    assert out["errors"] == [None] * len(PROMPTS), out["errors"]
+    ref = tiny_engine(tiny_engine_dir("llama"))
+    want = ref.generate(PROMPTS, SamplingParams(max_tokens=8))
+    assert out["tokens"] == want
+    assert leaders == {"decode0.tp0": hosts.addresses[2], "prefill0.tp0": hosts.addresses[0],
+                       "prefill1.tp0": hosts.addresses[1]}  # fmt: skip
+    # the KV of every prompt (whole pages of tokens [0, n-1), every layer) reached host 2 over its interface
+    pages = sum(-(-(len(p) - 1) // ref.page_size) for p in PROMPTS)
+    kv = pages * ref.kv.spec.page_bytes * ref.kv.spec.num_layers
+    assert received >= kv, (received, kv)
+    assert out["left"] == 0
