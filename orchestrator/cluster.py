@@ -263,7 +263,8 @@ class RankSlot:
 
     def describe(self) -> str:
         kind = "prefill" if self.role is Role.PREFILL else ("decode" if self.role is Role.DECODE else "colocated")
-        return f"{kind} group {self.group} TP rank {self.tp_rank} (MPI rank {self.mpi_rank})"
+        where = f" on host {self.host.name}" if self.host is not None else ""
+        return f"{kind} group {self.group} TP rank {self.tp_rank} (MPI rank {self.mpi_rank}){where}"
 
 
 _Place = tuple[HostSpec | None, int | None, int | None]  # (host, core, GPU)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -108,6 +109,10 @@ def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
 
 log = logging.getLogger(__name__)
 
+# what mpirun (PRRTE) prints when a rank dies: it notices on every host, the launcher only on its own
+PRRTE_DEATH = re.compile(
+    r"process rank (?P<rank>\d+) with PID (?P<pid>\d+) on node (?P<node>\S+) exited on (?P<how>signal \d+|status \d+)"
+)
 MULTI_HOST_PORT_BASE = 20000  # other leaders' ports on remote hosts (free ports can be probed only here)
 
 
@@ -371,7 +376,10 @@ class Launch:
         return None
 
     def dead_ranks(self) -> list[tuple[int, int]]:
-        """(pid, MPI rank) of processes of this run that were up at readiness and are gone now."""
+        """(pid, MPI rank) of processes of this run that were up at readiness and are gone now (ranks
+        on this machine only: across hosts mpirun's own failure report and the leaders' health say it)."""
+        if self.cfg.multi_host:
+            return []
         alive = run_processes(self.run_id)
         return [(pid, rank) for pid, rank in self._watched.items() if pid not in alive]
 
@@ -382,7 +390,12 @@ class Launch:
             names = sorted({by_rank[r].describe() for _, r in dead if r in by_rank})
             pids = ", ".join(str(p) for p, _ in dead)
             return f"deployment stopped: {'; '.join(names)} died (pid {pids})\n{self.failure_report()}"
-        return f"deployment stopped: mpirun exited\n{self.failure_report()}"
+        report = self.failure_report()
+        found = PRRTE_DEATH.search(" ".join(report.split()))  # mpirun's own notice, wherever the rank ran
+        if found is not None and int(found["rank"]) in by_rank:
+            slot, how = by_rank[int(found["rank"])], found["how"]
+            return f"deployment stopped: {slot.describe()} died ({how}, pid {found['pid']})\n{report}"
+        return f"deployment stopped: mpirun exited\n{report}"
 
     def failure_report(self, lines: int = 25) -> str:
         log = self.run_dir / "mpirun.log"

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 from orchestrator.cluster import ClusterConfig
@@ -21,6 +24,7 @@ def main() -> int:
     p.add_argument("prompts", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kill", default=None, help="after the prompts, SIGKILL this rank (e.g. prefill1.tp0), supervise")
     a = p.parse_args()
     cfg = ClusterConfig.load(a.config)
     prompts = json.loads(a.prompts.read_text())
@@ -36,6 +40,13 @@ def main() -> int:
         out["tokens"] = [c.token_ids for c in got]
         out["errors"] = [c.error for c in got]
         out["leaders"] = {ld.slot.name: ld.address for ld in launch.prepared.leaders}
+        if a.kill is not None:
+            rank = next(s.mpi_rank for s in launch.prepared.slots if s.name == a.kill)
+            victim = next(pid for pid, r in run_processes(launch.run_id).items() if r == rank)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            out["message"] = launch.supervise(poll_s=0.2)
+            out["named_after_s"] = time.monotonic() - t0
     finally:
         launch.stop()
         out["left"] = len(run_processes(launch.run_id))

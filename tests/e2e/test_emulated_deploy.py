@@ -24,7 +24,9 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated hosts: {WH
 PROMPTS = [prompt_of(n, 40 + n) for n in (3, 9, 17, 26, 33, 41, 52, 60)]
 
 
-def deploy_across(hosts: EmulatedHosts, tmp: Path, prefill: dict, decode: dict, max_tokens: int = 8) -> dict:
+def deploy_across(
+    hosts: EmulatedHosts, tmp: Path, prefill: dict, decode: dict, max_tokens: int = 8, kill: str | None = None
+) -> dict:
     cfg = {
         "mode": "disaggregated",
         "hosts": [{"name": n, "address": a} for n, a in zip(hosts.names, hosts.addresses, strict=True)],
@@ -43,7 +45,8 @@ def deploy_across(hosts: EmulatedHosts, tmp: Path, prefill: dict, decode: dict, 
     (tmp / "prompts.json").write_text(json.dumps(PROMPTS), encoding="utf-8")
     head = hosts.names[2]
     script = (f"hostname {head}; exec {sys.executable} -m tests.emulated_deploy {tmp / 'cluster.yaml'} "
-              f"{tmp / 'prompts.json'} {tmp / 'out.json'} --max-tokens {max_tokens}")  # fmt: skip
+              f"{tmp / 'prompts.json'} {tmp / 'out.json'} --max-tokens {max_tokens}"
+              + (f" --kill {kill}" if kill else ""))  # fmt: skip
     argv = hosts.run(2, ["unshare", "--uts", "sh", "-c", script])
     done = subprocess.run(argv, check=False, cwd=REPO, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -71,4 +74,35 @@ def test_two_prefill_hosts_and_a_decode_host(tiny_engine_dir, tmp_path: Path) ->
     pages = sum(-(-(len(p) - 1) // ref.page_size) for p in PROMPTS)
     kv = pages * ref.kv.spec.page_bytes * ref.kv.spec.num_layers
     assert received >= kv, (received, kv)
+    assert out["left"] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_prefill_tp2_on_one_host_decode_tp1_on_another(kind: str, tiny_engine_dir, tmp_path: Path) -> None:
+    with EmulatedHosts(3) as hosts:
+        out = deploy_across(
+            hosts, tmp_path,
+            prefill={"count": 1, "tp": 2, "engine_dir": str(tiny_engine_dir(kind, 2)), "num_pages": 256,
+                     "hosts": [hosts.names[0]]},
+            decode={"count": 1, "engine_dir": str(tiny_engine_dir(kind, 1)), "num_pages": 256,
+                    "hosts": [hosts.names[2]]},
+        )  # fmt: skip
+    assert out["errors"] == [None] * len(PROMPTS), out["errors"]
+    assert out["tokens"] == tiny_engine(tiny_engine_dir(kind)).generate(PROMPTS, SamplingParams(max_tokens=8))
+    assert out["left"] == 0
+
+
+def test_a_rank_that_dies_on_another_host_is_named(tiny_engine_dir, tmp_path: Path) -> None:
+    engine = str(tiny_engine_dir("llama"))
+    with EmulatedHosts(3) as hosts:
+        out = deploy_across(
+            hosts, tmp_path,
+            prefill={"count": 2, "engine_dir": engine, "hosts": [hosts.names[0], hosts.names[1]]},
+            decode={"count": 1, "engine_dir": engine, "hosts": [hosts.names[2]]},
+            kill="prefill1.tp0",
+        )  # fmt: skip
+        host = hosts.names[1]
+    print(out["message"])
+    assert "prefill group 1 TP rank 0 (MPI rank 2)" in out["message"] and host in out["message"], out["message"]
+    assert out["named_after_s"] < 30
     assert out["left"] == 0
