@@ -32,7 +32,14 @@ def _ip(*args: str) -> None:
 
 
 def available() -> str | None:
-    """None if network namespaces can be made here, else the reason they cannot."""
+    """None if emulated hosts can be made here, else the reason they cannot."""
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} command is not installed"
+    try:
+        Path("/etc/netns").mkdir(exist_ok=True)
+    except OSError as exc:
+        return f"cannot write /etc/netns (host names of emulated hosts): {exc}"
     name = f"{PREFIX}probe{os.getpid()}"
     try:
         _ip("netns", "add", name)
