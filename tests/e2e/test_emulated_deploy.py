@@ -48,7 +48,10 @@ def deploy_across(
               f"{tmp / 'prompts.json'} {tmp / 'out.json'} --max-tokens {max_tokens}"
               + (f" --kill {kill}" if kill else ""))  # fmt: skip
     argv = hosts.run(2, ["unshare", "--uts", "sh", "-c", script])
-    done = subprocess.run(argv, check=False, cwd=REPO, timeout=600, capture_output=True, text=True)
+    try:
+        done = subprocess.run(argv, check=False, cwd=REPO, timeout=300, capture_output=True, text=True)
+    finally:  # whatever happened, nothing of the run outlives the test (every rank's command line names run_dir)
+        subprocess.run(["pkill", "-9", "-f", str(tmp / "run")], check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((tmp / "out.json").read_text())
 
