@@ -40,6 +40,9 @@ def available() -> str | None:
         Path("/etc/netns").mkdir(exist_ok=True)
     except OSError as exc:
         return f"cannot write /etc/netns (host names of emulated hosts): {exc}"
+    uts = subprocess.run(["unshare", "--uts", "true"], check=False, capture_output=True, text=True)
+    if uts.returncode != 0:
+        return f"cannot give emulated hosts their own host names (unshare --uts): {uts.stderr.strip()}"
     name = f"{PREFIX}probe{os.getpid()}"
     try:
         _ip("netns", "add", name)

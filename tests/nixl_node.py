@@ -22,6 +22,17 @@ from tests.messenger_harness import LAYERS, FakeProgress, Scenario, make_pools, 
 META_BYTES = 256
 
 
+def ask(conn: Connection, cmd: str, arg: object = None, timeout: float = 120) -> object:
+    """Parent side: send a command to a node and wait for its answer (an error answer fails the test)."""
+    conn.send((cmd, arg))
+    if not conn.poll(timeout):
+        raise TimeoutError(f"node did not answer {cmd!r} in {timeout}s")
+    out = conn.recv()
+    if isinstance(out, str) and out.startswith("error:"):
+        raise AssertionError(out)
+    return out
+
+
 def serve(conn: Connection, side: str) -> None:
     torch.set_num_threads(1)
     sides: list = []

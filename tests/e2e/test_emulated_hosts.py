@@ -19,6 +19,7 @@ from kv_messenger.layout import AttentionKind
 from kv_messenger.protocol import PrefillRequest
 from tests.messenger_harness import LAYERS, NUM_PAGES, Scenario, spec
 from tests.netns import EmulatedHosts, available
+from tests.nixl_node import ask
 from torch_engine.config import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,13 +48,7 @@ class RemoteNode:
         self.conn = got[0]
 
     def call(self, cmd: str, arg: object = None, timeout: float = 120) -> object:
-        self.conn.send((cmd, arg))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"node did not answer {cmd!r} in {timeout}s")
-        out = self.conn.recv()
-        if isinstance(out, str) and out.startswith("error:"):
-            raise AssertionError(out)
-        return out
+        return ask(self.conn, cmd, arg, timeout)
 
     def close(self) -> None:
         try:

@@ -10,6 +10,7 @@ import pytest
 from kv_messenger.layout import AttentionKind
 from kv_messenger.protocol import PrefillRequest
 from tests.messenger_harness import Scenario
+from tests.nixl_node import ask
 from torch_engine.config import KVLayout
 
 
@@ -23,13 +24,7 @@ class Node:
         self.proc.start()
 
     def call(self, cmd: str, arg: object = None, timeout: float = 120) -> object:
-        self.conn.send((cmd, arg))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"node did not answer {cmd!r} in {timeout}s")
-        out = self.conn.recv()
-        if isinstance(out, str) and out.startswith("error:"):
-            raise AssertionError(out)
-        return out
+        return ask(self.conn, cmd, arg, timeout)
 
 
 @pytest.fixture(scope="module")
