@@ -248,6 +248,11 @@ class PrefillSide:
             if agent in self._peers:
                 self.transport.send_notif(agent, note)
 
+    def was_aborted(self, request_id: str, epoch: int) -> bool:
+        """The decoder aborted this epoch before it came (a tombstone holds it)."""
+        with self._lock:
+            return (request_id, epoch) in self._tombstones
+
     def jobs(self) -> int:
         """Requests still being sent or not yet collected (tests of bounded state)."""
         with self._lock:

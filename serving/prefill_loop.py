@@ -117,7 +117,9 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         try:
             self.link.submit(item)
         except InvalidRequestError as exc:  # refused after the call was accepted: the decoder hears why, now
-            log.warning("prefill request %s epoch %d refused: %s", item.request_id, item.epoch, exc)
+            aborted = self.side.local.was_aborted(item.request_id, item.epoch)  # a client that went away: normal
+            level = logging.INFO if aborted else logging.WARNING
+            log.log(level, "prefill request %s epoch %d refused: %s", item.request_id, item.epoch, exc)
             self.side.refuse(item, str(exc))
             with self._lock:
                 self._outstanding.pop(item.request_id, None)

@@ -123,13 +123,13 @@ def log_sizes(launch: Launch) -> dict[Path, int]:
 
 
 def logged_errors(since: dict[Path, int]) -> list[str]:
-    """ERROR / WARNING lines and tracebacks the run's logs (ranks' output, Triton's) gained since ``since``."""
+    """ERROR lines and tracebacks the run's logs (ranks' output, Triton's) gained since ``since``."""
     lines = []
     for f, size in since.items():
         with f.open("rb") as fh:
             fh.seek(size)
             text = fh.read().decode(errors="replace")
-        lines += [ln for ln in text.splitlines() if re.search(r"\b(ERROR|WARNING|Traceback)\b|^[EW]\d{4} ", ln)]
+        lines += [ln for ln in text.splitlines() if re.search(r"\b(ERROR|CRITICAL|Traceback)\b|(^|: )E\d{4} ", ln)]
     return lines
 
 
