@@ -196,7 +196,7 @@ def test_soak_with_cancels_and_failed_transfers_returns_to_its_starting_level(ti
                 assert out.error and ("KV" in out.error or "prefill" in out.error), out.error
                 errors += 1
         print(f"soak: {len(jobs)} requests in {took:.0f} s: {ok} completed, {errors} errors, rest cancelled")
-        assert ok > 1500 and errors > 0  # the faults happened and were reported
+        assert ok > 1200 and errors > 0  # most completed (1,705 here); the faults happened and were reported
         wait_idle(launch, timeout_s=60)
         after = usage(launch)
         for pid, b in before.items():
