@@ -452,7 +452,9 @@ def test_soak_random_cancels_and_failed_writes_leave_nothing_behind(tiny_engine_
                 assert out.finish_reason is FinishReason.ERROR and out.error, rid
         counts = Counter(o.finish_reason for o in c.done.values())
         print("soak outcomes:", dict(counts), "cancel calls:", len(cancelled))
-        assert counts[FinishReason.LENGTH] + counts[FinishReason.STOP] > 100  # 183 here; more cancels land on slower machines
+        assert (
+            counts[FinishReason.LENGTH] + counts[FinishReason.STOP] > 100
+        )  # 183 here; more cancels land on slower machines
         assert c.transports[1].faults.failed > 0 and errors  # the faults happened and were reported
         wait_for(c.settled, timeout_s=30, what="every page and record to be released")
         assert all(p.side.local.tombstones() <= len(cancelled) for p in c.prefills)
