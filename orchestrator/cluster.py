@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -214,9 +215,10 @@ class ClusterConfig(_Frozen):
         """What decode groups do: DECODE (KV from prefill groups) or COLOCATED (prefill themselves)."""
         return Role.DECODE if self.mode is Mode.DISAGGREGATED else Role.COLOCATED
 
-    @property
+    @cached_property
     def multi_host(self) -> bool:
-        """Do the ranks run on more than one host? (Then each binds and advertises its host's address.)"""
+        """Do the ranks run on more than one host? (Then each binds and advertises its host's address.)
+        Placed once: the launcher asks this per rank and on every supervision poll."""
         return len({s.host.name if s.host is not None else None for s in self.rank_map()}) > 1
 
     def rank_map(self) -> list[RankSlot]:

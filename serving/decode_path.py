@@ -138,7 +138,7 @@ class KVFetcher:
             "queued": len(self._queued),
             "fetches": len(self._pending),
             "destinations": self.link.live(),
-            "fenced_pages": sum(len(p) for p in self.link.fenced().values()),
+            "fenced_pages": self.link.fenced_pages,
             "messenger": self.link.side.live(),
         }
 

@@ -190,6 +190,7 @@ class DecodeLink:
         self._jobs: dict[str, _Destination] = {}
         self._meta: dict[str, torch.Tensor] = {}  # landed metadata, until ``take_metadata``
         self._retries: list[PrefillRequest] = []  # failovers whose fence lifted: to send
+        self.fenced_pages = 0  # pages held by abandoned epochs (a gauge, read every report)
 
     def start(
         self,
@@ -235,10 +236,12 @@ class DecodeLink:
             fresh = self.engine.replace_kv_pages(request_id)
         except InvalidRequestError:
             job.fences[epoch] = job.pages
+            self.fenced_pages += len(job.pages)
             job.retry = list(prefill_agents)
             return None
         self.engine.pin_pages(fresh)
         job.fences[epoch], job.pages = job.pages, fresh
+        self.fenced_pages += len(job.fences[epoch])
         return self._expect(request_id, prefill_agents)
 
     def retries(self) -> list[PrefillRequest]:
@@ -323,6 +326,7 @@ class DecodeLink:
         if job is None:
             return
         pages = job.fences.pop(epoch, None)
+        self.fenced_pages -= len(pages or ())
         slot = job.fenced_slots.pop(epoch, None)
         if slot is not None:
             self._slots.append(slot)

@@ -192,11 +192,13 @@ def test_a_late_write_of_an_abandoned_epoch_lands_only_in_its_fenced_pages(tiny_
         assert len(fenced) == 1 and fenced[next(iter(fenced))], "the abandoned epoch's pages are still held"
         fenced_pages = set(next(iter(fenced.values())))
         assert c.decode.page_stats().pinned == len(fenced_pages)
+        assert c.fetcher.records()["fenced_pages"] == len(fenced_pages)
         others = c.run(prompts)  # other requests run meanwhile: they never get a fenced page
         assert [o.output_ids for o in others.values()] == plain[1:]
         before = snapshot(c.decode)
         assert slow.release_stalled() >= 2  # the abandoned group's writes land now, long after failover
         wait_for(c.settled, what="the fence to lift and every page to come back")
+        assert c.fetcher.records()["fenced_pages"] == 0
         landed = changed_pages(before, snapshot(c.decode))
         assert landed and landed <= fenced_pages  # the late bytes landed, and only in the fenced pages
         assert c.dside.stale == 0  # its notifications were counted against the fence, not dropped as unknown

@@ -88,14 +88,13 @@ class Scheduler:
         req.state = RequestState.WAITING_FOR_KV
         self.kv_wait[req.request_id] = req
 
-    def replace_reserved(self, req: Request) -> list[int]:
+    def replace_reserved(self, req: Request) -> None:
         """New pages for a reserved request (the old ones are freed: deferred while a transport pins them)."""
         old, n = req.pages, len(req.prompt_ids) - 1
         req.pages = self.allocator.allocate(self.pages_for(n))
         self.allocator.pin(req.pages)
         self.allocator.unpin(old)
         self.allocator.free(old)
-        return old
 
     def kv_ready(self, req: Request) -> None:
         del self.kv_wait[req.request_id]
