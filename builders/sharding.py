@@ -2,8 +2,9 @@
 
 Column-parallel (split the output rows): q / k / v, gate / up, MLA q and kv_b, expert gate_up.
 Row-parallel (split the input columns): o, down, expert down. Replicated: norms, embeddings,
-lm_head, router, MLA kv_a (the latent is the same on every rank). GQA KV heads are split when
-TP <= KV heads and replicated (rank r holds head r * kv_heads // TP) when TP > KV heads.
+lm_head, router, MLA kv_a (the latent is the same on every rank), the MTP module's ``eh_proj``.
+GQA KV heads are split when TP <= KV heads and replicated (rank r holds head r * kv_heads // TP)
+when TP > KV heads. The MTP module's block is sharded like any decoder layer.
 """
 
 from __future__ import annotations
@@ -50,32 +51,44 @@ def shard(ck: Checkpoint, tp: int, rank: int) -> dict[str, torch.Tensor]:
     }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = g("lm_head.weight")
-    hq = cfg.num_heads // tp
     for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out[dst + "attn_norm.weight"] = g(src + "input_layernorm.weight")
-        out[dst + "mlp_norm.weight"] = g(src + "post_attention_layernorm.weight")
-        a = src + "self_attn."
-        if cfg.is_mla:
-            _mla(out, ck, a, dst + "attn.", tp, rank)
-        else:
-            kv = cfg.num_kv_heads
-            kv_per, kv_first = (kv // tp, rank * kv // tp) if tp <= kv else (1, rank * kv // tp)
-            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                q = _heads(g(f"{a}q_proj.{kind}"), cfg.num_heads, hq, rank * hq)
-                k = _heads(g(f"{a}k_proj.{kind}"), kv, kv_per, kv_first)
-                v = _heads(g(f"{a}v_proj.{kind}"), kv, kv_per, kv_first)
-                out[f"{dst}attn.qkv.{kind}"] = torch.cat([q, k, v])
-            if cfg.qk_norm:
-                out[dst + "attn.q_norm.weight"] = g(a + "q_norm.weight")
-                out[dst + "attn.k_norm.weight"] = g(a + "k_norm.weight")
-            out[dst + "attn.o.weight"] = _rows(g(a + "o_proj.weight"), hq * cfg.head_dim, rank, dim=1)
-        m = src + "mlp."
-        if cfg.is_moe_layer(i):
-            _moe(out, ck, m, dst + "mlp.", tp, rank)
-        else:
-            _mlp(out, ck, m, dst + "mlp.", cfg.intermediate_size // tp, rank)
+        _layer(out, ck, i, f"model.layers.{i}.", f"layers.{i}.", tp, rank)
+    if cfg.num_mtp_layers:  # DeepSeek-V3's MTP module: layer ``num_layers`` in the checkpoint
+        src = f"model.layers.{cfg.num_layers}."
+        _layer(out, ck, cfg.num_layers, src, "mtp.block.", tp, rank)
+        out["mtp.enorm.weight"] = g(src + "enorm.weight")
+        out["mtp.hnorm.weight"] = g(src + "hnorm.weight")
+        out["mtp.eh_proj.weight"] = g(src + "eh_proj.weight")
+        out["mtp.norm.weight"] = g(src + "shared_head.norm.weight")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _layer(out: dict[str, torch.Tensor], ck: Checkpoint, i: int, src: str, dst: str, tp: int, rank: int) -> None:
+    """One decoder layer (``src``: its HF prefix) -> this rank's tensors under ``dst``."""
+    g, cfg = ck.get, ck.config
+    hq = cfg.num_heads // tp
+    out[dst + "attn_norm.weight"] = g(src + "input_layernorm.weight")
+    out[dst + "mlp_norm.weight"] = g(src + "post_attention_layernorm.weight")
+    a = src + "self_attn."
+    if cfg.is_mla:
+        _mla(out, ck, a, dst + "attn.", tp, rank)
+    else:
+        kv = cfg.num_kv_heads
+        kv_per, kv_first = (kv // tp, rank * kv // tp) if tp <= kv else (1, rank * kv // tp)
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            q = _heads(g(f"{a}q_proj.{kind}"), cfg.num_heads, hq, rank * hq)
+            k = _heads(g(f"{a}k_proj.{kind}"), kv, kv_per, kv_first)
+            v = _heads(g(f"{a}v_proj.{kind}"), kv, kv_per, kv_first)
+            out[f"{dst}attn.qkv.{kind}"] = torch.cat([q, k, v])
+        if cfg.qk_norm:
+            out[dst + "attn.q_norm.weight"] = g(a + "q_norm.weight")
+            out[dst + "attn.k_norm.weight"] = g(a + "k_norm.weight")
+        out[dst + "attn.o.weight"] = _rows(g(a + "o_proj.weight"), hq * cfg.head_dim, rank, dim=1)
+    m = src + "mlp."
+    if cfg.is_moe_layer(i):
+        _moe(out, ck, m, dst + "mlp.", tp, rank)
+    else:
+        _mlp(out, ck, m, dst + "mlp.", cfg.intermediate_size // tp, rank)
 
 
 def _mlp(out: dict[str, torch.Tensor], ck: Checkpoint, src: str, dst: str, part: int, rank: int) -> None:

@@ -26,7 +26,7 @@ from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.protocol import RankEndpoint
 from kv_messenger.transport.base import FaultInjector
 from kv_messenger.transport.nixl import NixlTransport
-from serving.kv_links import engine_layout
+from serving.kv_links import engine_layout, metadata_bytes
 from serving.node_config import NodeConfig
 from serving.ports import free_port
 from serving.prefill_client import PrefillGroup
@@ -142,8 +142,9 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
 
 
 def _messenger_side(node: NodeConfig, engine: LLMEngine) -> PrefillSide | DecodeSide | None:
-    """This rank's messenger side with its own NIXL agent. No metadata slots: nothing in a deployment
-    consumes the prefill's last hidden state / logits yet (speculative decoding will)."""
+    """This rank's messenger side with its own NIXL agent. A decode rank whose engine drafts with MTP
+    gets metadata slots (the prefill's last hidden state, one slot per request in transfer, two
+    batches' worth; a request that finds none starts without its first draft)."""
     if node.role is Role.COLOCATED:
         return None
     faults = FaultInjector(fail_rate=node.transport.fault_write_fail_rate, seed=node.mpi_rank or 0)
@@ -155,8 +156,10 @@ def _messenger_side(node: NodeConfig, engine: LLMEngine) -> PrefillSide | Decode
             engine_layout(engine),
             engine.kv.pools,
             engine.progress,
-            0,
+            metadata_bytes(engine),
             layers_per_post=node.transport.layers_per_post,
             tombstone_s=t.prefill_tombstone_s,
         )
-    return DecodeSide(transport, engine_layout(engine), engine.kv.pools, grace_s=t.fence_grace_s)
+    slots = 2 * engine.config.scheduler.max_num_seqs if engine.wants_prefill_hidden else 0
+    meta = metadata_bytes(engine) if slots else 0
+    return DecodeSide(transport, engine_layout(engine), engine.kv.pools, meta, slots, grace_s=t.fence_grace_s)

@@ -97,7 +97,8 @@ class KVFetcher:
             raise InvalidRequestError(str(exc)) from None
         try:
             agents = self.groups[g].agents
-            req = self.link.start(prompt_ids, params, request_id, _seed(request_id), prefill_agents=agents)
+            meta = self.engine.wants_prefill_hidden  # an MTP drafter drafts its first step from it
+            req = self.link.start(prompt_ids, params, request_id, _seed(request_id), meta, agents)
         except ValueError as exc:
             raise InvalidRequestError(f"request {request_id}: {exc}") from None
         self._pending[request_id] = _Pending(g, req.epoch, {g})

@@ -5,11 +5,12 @@ imports the messenger, and these links use only the engine's public methods.
 ``PrefillLink`` (prefill node, TP leader or TP 1): turns ``PrefillRequest``s into prefill-only
 engine requests, tells the messenger which chunks each step runs (``before_step``, before the
 forward pass), pins the source pages while they are being sent, hands over the last hidden
-state + logits, and releases the pages when every write completed.
+state (for the decoder's MTP drafter), and releases the pages when every write completed.
 
 ``DecodeLink`` (decode node): reserves and pins destination pages, tells the messenger what to
 expect, builds the ``PrefillRequest`` to send, and each step moves requests whose KV landed
-into the batch (``kv_ready``) or fails them (``kv_failed``). Pages of a failed request return
+into the batch (``kv_ready``, with the prefill's last hidden state when it asked for it) or
+fails them (``kv_failed``). Pages of a failed request return
 to the pool only when the messenger says no write can still land.
 
 Each link keeps one record per live request and drops it when the request leaves the link.
@@ -55,9 +56,9 @@ def engine_layout(engine: LLMEngine) -> KVLayoutSpec:
 
 
 def metadata_bytes(engine: LLMEngine) -> int:
-    """Size of the metadata a prefill hands over: last hidden state + last logits, fp32."""
-    mc = engine.manifest.model
-    return (mc.hidden_size + mc.vocab_size) * 4
+    """Size of the metadata a prefill hands over: its last position's final hidden state, fp32
+    (what an MTP drafter on the decoder needs to draft in its first step)."""
+    return engine.manifest.model.hidden_size * 4
 
 
 @dataclass(slots=True)
@@ -117,9 +118,8 @@ class PrefillLink:
             self.side.prefill_done(out.request_id)
             if job.wants_meta:
                 result = self.engine.prefill_result(out.request_id)
-                assert result.last_hidden is not None and result.last_logits is not None
-                payload = torch.cat((result.last_hidden.float(), result.last_logits.float()))
-                self.side.set_metadata(out.request_id, payload)
+                assert result.last_hidden is not None
+                self.side.set_metadata(out.request_id, result.last_hidden.float())
         self._reaped += self._release()
         return outputs
 
@@ -188,7 +188,6 @@ class DecodeLink:
         self.timeout_s = timeout_s
         self._slots = list(range(side.meta_slots))
         self._jobs: dict[str, _Destination] = {}
-        self._meta: dict[str, torch.Tensor] = {}  # landed metadata, until ``take_metadata``
         self._retries: list[PrefillRequest] = []  # failovers whose fence lifted: to send
         self.fenced_pages = 0  # pages held by abandoned epochs (a gauge, read every report)
 
@@ -271,15 +270,11 @@ class DecodeLink:
 
     def live(self) -> int:
         """Requests this link still holds (tests of bounded state)."""
-        return len(self._jobs) + len(self._meta)
+        return len(self._jobs)
 
     def fenced(self) -> dict[str, list[int]]:
         """Pages held by abandoned epochs, by request (metrics, tests)."""
         return {rid: [p for pages in j.fences.values() for p in pages] for rid, j in self._jobs.items() if j.fences}
-
-    def take_metadata(self, request_id: str) -> torch.Tensor | None:
-        """The prefill's last hidden state + logits (fp32, concatenated) of a ready request, once."""
-        return self._meta.pop(request_id, None)
 
     def fail_undelivered(self, request_id: str, error: str) -> None:
         """The prefill request provably reached no group: no write can come; free its pages now
@@ -300,11 +295,11 @@ class DecodeLink:
         polled = self.side.poll()
         for rid in polled.ready:
             job = self._jobs.get(rid)
-            if job is not None and job.slot is not None:
-                n = metadata_bytes(self.engine)
-                self._meta[rid] = self.side.meta_slot(job.slot)[:n].view(torch.float32).clone()
+            hidden = None
+            if job is not None and job.slot is not None:  # the prefill's last hidden state: the first draft
+                hidden = self.side.meta_slot(job.slot)[: metadata_bytes(self.engine)].view(torch.float32).clone()
             self._hand_on(rid)
-            self.engine.kv_ready(rid)
+            self.engine.kv_ready(rid, hidden)
         for rid, error in polled.failed:
             self.engine.kv_failed(rid, error)  # pages stay pinned (not reusable) until releasable
         for rid in polled.releasable:

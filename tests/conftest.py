@@ -8,7 +8,7 @@ import torch
 
 from builders import BuildOptions, build_engine
 from tests import helpers
-from tests.helpers import build_tiny, make_tiny_checkpoint
+from tests.helpers import build_tiny, make_mtp_checkpoint, make_tiny_checkpoint
 from torch_engine.config import DType
 
 torch.set_num_threads(2)
@@ -39,6 +39,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def mtp_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    """``mtp_tiny(kind)`` -> (HF checkpoint folder with a DeepSeek-V3-style MTP layer, fp32 HF model
+    with that layer as its last), made once per session."""
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(kind: str) -> tuple[Path, torch.nn.Module]:
+        if kind not in made:
+            made[kind] = make_mtp_checkpoint(kind, tmp_path_factory.mktemp(f"mtp-ckpt-{kind}") / "ck")
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mtp_engine_dir(
+    mtp_tiny: Callable[[str], tuple[Path, torch.nn.Module]], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """``mtp_engine_dir(kind, tp=1)`` -> a built engine directory with the MTP module (cached)."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str, tp: int = 1) -> Path:
+        if (kind, tp) not in built:
+            folder, _ = mtp_tiny(kind)
+            built[kind, tp] = build_tiny(folder, tmp_path_factory.mktemp(f"mtp-eng-{kind}-tp{tp}") / "e", tp)
+        return built[kind, tp]
+
+    return get
 
 
 @pytest.fixture(scope="session")

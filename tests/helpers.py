@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from builders import BuildOptions, build_engine
-from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig
+from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
 from torch_engine.tokenizer import Tokenizer
@@ -91,6 +93,84 @@ def make_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> tuple[Path, 
     return folder, model
 
 
+def make_mtp_checkpoint(kind: str, folder: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """A tiny random checkpoint of ``kind`` with a DeepSeek-V3-style MTP layer: checkpoint layer
+    ``n = num_hidden_layers`` is the MTP block (standard layer tensors) plus ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and copies of the embedding and head, as DeepSeek-V3 ships it.
+    Returns the folder and an fp32 HF model with ``n + 1`` layers (its last one is the MTP block:
+    the independent reference ``mtp_reference`` runs)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    cfg = TINY_CONFIGS[kind]()
+    n = cfg.num_hidden_layers
+    cfg.num_hidden_layers = n + 1
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn_like(buf) * 0.1)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    h, p = cfg.hidden_size, f"model.layers.{n}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        state[f"{p}{norm}.weight"] = 1 + 0.1 * torch.randn(h)
+    state[p + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.1
+    state[p + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[p + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    saved = copy.deepcopy(cfg)  # the model keeps its n + 1 layers
+    saved.num_hidden_layers = n
+    saved.num_nextn_predict_layers = 1
+    saved.save_pretrained(str(folder))
+    model.mtp_extra = {k.removeprefix(p): v for k, v in state.items() if k.startswith(p) and "." in k[len(p) :]}
+    return folder, model
+
+
+@torch.no_grad()
+def mtp_reference(model: Any, tokens: list[int]) -> list[int]:
+    """The MTP module's greedy draft at each position ``i < len(tokens) - 1`` (predicting token
+    ``i + 2``), computed with Hugging Face's own decoder layers: the main model's output at ``i``
+    (layer ``n - 1``'s output after the final norm) and the embedding of token ``i + 1``, normed,
+    concatenated (embedding first), projected by ``eh_proj``, through HF's layer ``n`` (the MTP
+    block, fed by a pre-hook), ``shared_head.norm`` and the head."""
+    inner: Any = model.model
+    n = len(inner.layers) - 1
+    extra: dict[str, torch.Tensor] = model.mtp_extra
+    eps = model.config.rms_norm_eps
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    ids = torch.tensor([tokens[:-1]])
+    seen: dict[str, torch.Tensor] = {}
+
+    def grab(name: str) -> Callable[..., None]:
+        def hook(_mod: object, _args: object, out: Any) -> None:
+            seen[name] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
+    handle = inner.layers[n - 1].register_forward_hook(grab("main"))
+    model(ids)
+    handle.remove()
+    main = inner.norm(seen["main"])  # [1, T - 1, H]
+    emb = inner.embed_tokens(torch.tensor([tokens[1:]]))
+    x = torch.cat((rms(emb, extra["enorm.weight"]), rms(main, extra["hnorm.weight"])), -1) @ extra["eh_proj.weight"].T
+
+    def feed(_mod: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    pre = inner.layers[n].register_forward_pre_hook(feed, with_kwargs=True)
+    post = inner.layers[n].register_forward_hook(grab("mtp"))
+    model(ids)
+    pre.remove()
+    post.remove()
+    logits = rms(seen["mtp"], extra["shared_head.norm.weight"]) @ extra["shared_head.head.weight"].T
+    return logits[0].argmax(-1).tolist()
+
+
 @dataclass(slots=True)
 class EnginePath:
     """Which compute path the tests' engines take: the device (``pytest --device cuda`` on a GPU
@@ -120,6 +200,7 @@ def tiny_engine(
     budget: int = 512,
     max_num_seqs: int = 32,
     tp: TPGroup | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> LLMEngine:
     cfg = engine_config(
         engine_dir,
@@ -128,6 +209,7 @@ def tiny_engine(
         num_pages=num_pages,
         scheduler=SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         dtype=DType.FLOAT32,
+        speculative=speculative or SpeculativeConfig(),
     )
     return LLMEngine(cfg, tp=tp, load_tokenizer=False)
 
@@ -147,9 +229,10 @@ def tp_generate(
     max_tokens: int,
     out: str,
     fast_cpu: bool = False,
+    speculative: str | None = None,
 ) -> None:
     """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow
-    (``fast_cpu``: on the engine's fast CPU path)."""
+    (``fast_cpu``: on the engine's fast CPU path; ``speculative``: a drafter, e.g. ``mtp``)."""
     import json
 
     import torch.distributed as dist
@@ -160,11 +243,13 @@ def tp_generate(
     PATH.fast_cpu = fast_cpu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world))
+        spec = SpeculativeConfig(method=SpecMethod(speculative), num_tokens=1) if speculative else None
+        engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world), speculative=spec)
         if rank == 0:
             tokens = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
             engine.shutdown()
-            Path(out).write_text(json.dumps({"tokens": tokens, "pages_used": engine.page_stats().used}))
+            stats = {"tokens": tokens, "pages_used": engine.page_stats().used, "drafts": engine.spec_stats.proposed}
+            Path(out).write_text(json.dumps(stats))
         else:
             engine.run_follower()
     finally:

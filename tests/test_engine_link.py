@@ -11,15 +11,17 @@ from kv_messenger.decode_side import DecodeSide
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport import MemoryFabric
 from serving.kv_links import DecodeLink, PrefillLink, engine_layout, metadata_bytes
-from tests.helpers import tiny_engine
+from tests.helpers import mtp_reference, tiny_engine
 from tests.test_engine_equivalence import prompt_of
+from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import RequestKind
 from torch_engine.sampling import SamplingParams
+from torch_engine.scheduler import SchedulerOutput
 
 
-def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, **prefill_kw):
+def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, decode_spec=None, **prefill_kw):
     prefill = tiny_engine(tiny_engine_dir(kind), **prefill_kw)
-    decode = tiny_engine(tiny_engine_dir(kind))
+    decode = tiny_engine(tiny_engine_dir(kind), speculative=decode_spec)
     pside = PrefillSide(
         fabric.agent("p0"), engine_layout(prefill), prefill.kv.pools, prefill.progress, metadata_bytes(prefill)
     )
@@ -56,16 +58,15 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
     while plink.poll() or plink.live():  # the last FINs
         pass
     assert prefill.page_stats().used == 0 and decode.page_stats().used == 0
-    # the handed-over metadata is the prefill's last hidden state and logits
+    # the handed-over metadata is the prefill's last hidden state
     ref = tiny_engine(tiny_engine_dir(kind))
     rid = ref.add_request(prompts[2], kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
     while ref.has_unfinished():
         ref.step()
-    got = dlink.take_metadata("r2")
+    got = decode.request("r2").prefill_hidden  # handed to the engine with the request (kv_ready)
     hidden = ref.request(rid).last_hidden
     assert got is not None and hidden is not None
-    torch.testing.assert_close(got[: hidden.numel()], hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[hidden.numel() :], ref.request(rid).last_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, hidden, atol=1e-5, rtol=1e-5)
 
 
 def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
@@ -124,3 +125,65 @@ def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None
     plain = tiny_engine(tiny_engine_dir("llama")).generate([healthy_prompt], SamplingParams(max_tokens=5))[0]
     assert decode.request("after").output_ids == plain
     assert prefill.page_stats().used == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_disaggregated_mtp_drafts_from_the_shipped_hidden_state(kind: str, mtp_engine_dir, mtp_tiny) -> None:
+    """Decoder drafting with MTP, prefill streaming every layer (the MTP layer's KV included) and
+    the last hidden state: greedy tokens equal plain decoding; the hidden state the decoder's engine
+    got equals the prefill's; the first step verifies a draft (one step earlier than without the
+    hand-off), which equals Hugging Face's MTP reference at the prefill's last position, and is
+    accepted when that draft is the token plain decoding emits first."""
+    prompts = [prompt_of(n, n) for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = tiny_engine(mtp_engine_dir(kind)).generate(prompts, params)
+    spec = SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1)
+    prefill, decode, plink, dlink, pside = linked(
+        kind, lambda _k: mtp_engine_dir(kind), MemoryFabric(), decode_spec=spec, chunk=8, budget=24
+    )
+    first: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    class FirstSteps:
+        def before_step(self, sched: SchedulerOutput) -> None:
+            for c in sched.chunks:
+                first.setdefault(c.request.request_id, (c.start, c.draft))
+
+        def after_forward(self, sched: SchedulerOutput) -> None:
+            pass
+
+    decode.attach(FirstSteps())
+    pside.start()
+    try:
+        ids = []
+        for i, prompt in enumerate(prompts):
+            req = dlink.start(prompt, params, f"r{i}", seed=i, meta=decode.wants_prefill_hidden)
+            plink.submit(req)
+            ids.append(req.request_id)
+        for _ in range(2000):
+            plink.step()
+            plink.poll()
+            assert dlink.poll().failed == []
+            decode.step()
+            if all(decode.has_request(i) and decode.request(i).finished for i in ids) and not prefill.has_unfinished():
+                break
+        outputs = [decode.request(i).output_ids for i in ids]
+    finally:
+        pside.stop()
+    assert outputs == plain
+    _, hf = mtp_tiny(kind)
+    for i, rid in enumerate(ids):
+        prompt = prompts[i]
+        ref = tiny_engine(mtp_engine_dir(kind))
+        pid = ref.add_request(prompt, kind=RequestKind.PREFILL_ONLY, want_last_hidden=True)
+        while ref.has_unfinished():
+            ref.step()
+        got, want = decode.request(rid).prefill_hidden, ref.request(pid).last_hidden
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        start, draft = first[rid]
+        expected = mtp_reference(hf, prompt + plain[i])[len(prompt) - 2]  # MTP at n - 2 drafts token n
+        assert start == len(prompt) - 1 and draft == (expected,), rid
+        assert decode.request(rid).spec.steps >= 1
+    accepted = [d == (p[0],) for (_, d), p in zip((first[r] for r in ids), plain, strict=True)]
+    assert decode.spec_stats.accepted >= sum(accepted)
+    assert prefill.page_stats().used == 0 and decode.page_stats().used == 0

@@ -128,6 +128,8 @@ class ModelConfig(_Frozen):
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
+    # multi-token prediction (DeepSeek-V3's MTP module, ``models/mtp.py``): extra layers after the last
+    num_mtp_layers: int = Field(default=0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -148,6 +150,11 @@ class ModelConfig(_Frozen):
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with KV pages: the decoder's, then the MTP module's."""
+        return self.num_layers + self.num_mtp_layers
 
     @property
     def qk_head_dim(self) -> int:
@@ -206,12 +213,13 @@ class SchedulerConfig(_Frozen):
 class SpecMethod(enum.StrEnum):
     NONE = "none"
     NGRAM = "ngram"  # prompt lookup: drafts are what followed the latest earlier match of the last tokens
+    MTP = "mtp"  # the checkpoint's multi-token-prediction module drafts one token from the last hidden state
 
 
 class SpeculativeConfig(_Frozen):
     """Speculative decoding (``torch_engine/speculative.py``): lossless; ``num_tokens`` is fixed."""
 
-    method: SpecMethod = Field(default=SpecMethod.NONE, description="drafter: none or ngram")
+    method: SpecMethod = Field(default=SpecMethod.NONE, description="drafter: none, ngram or mtp")
     num_tokens: int = Field(default=4, ge=1, le=16, description="draft tokens verified per step (at most)")
     ngram_max: int = Field(default=3, ge=1, description="longest suffix the n-gram drafter matches")
     ngram_min: int = Field(default=1, ge=1, description="shortest suffix the n-gram drafter matches")

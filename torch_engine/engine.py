@@ -25,7 +25,7 @@ from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import Linear, RMSNorm
-from torch_engine.model_runner import ModelRunner, StepInputs
+from torch_engine.model_runner import DraftInputs, ModelRunner, Span, StepInputs
 from torch_engine.models import build_model, cache_spec
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
@@ -54,6 +54,14 @@ class PrefillResult:
     num_tokens: int  # tokens of KV in the pages: the prompt minus its last token
     last_hidden: torch.Tensor | None
     last_logits: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _Picked:
+    """What a sampling chunk emits this step: tokens (its next one, after any accepted drafts)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs]
 
 
 def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.device) -> torch.dtype:
@@ -117,7 +125,7 @@ class LLMEngine:
         spec = cache_spec(mc, self.tp.size, pool_pages, self.page_size, layout, self.dtype)
         self.kv = PagedKVCache(spec, self.device)
         self.kv.kernels = cpu_kernels() if fast else None
-        self.progress = LayerProgress(mc.num_layers, self.device)
+        self.progress = LayerProgress(mc.num_kv_layers, self.device)
         self._allocator = PageAllocator(config.num_pages)
         self._scheduler = Scheduler(
             self._allocator,
@@ -139,8 +147,15 @@ class LLMEngine:
         drafting = config.speculative
         ngram = drafting.method is SpecMethod.NGRAM
         self._drafter = NgramDrafter(drafting.ngram_max, drafting.ngram_min) if ngram else None
+        if drafting.method is SpecMethod.MTP and self.model.mtp is None:
+            raise ValueError(
+                f"speculative method mtp needs a checkpoint with an MTP module (num_nextn_predict_layers); "
+                f"the engine in {config.engine_dir} has none"
+            )
+        self._mtp_drafts = drafting.method is SpecMethod.MTP
+        self._seeds: list[Request] = []  # split requests whose first draft comes from the prefill's hidden state
         self.spec_stats = SpecStats()  # draft tokens proposed / accepted by this engine
-        if self._drafter is not None:
+        if self._drafter is not None or self._mtp_drafts:
             self._scheduler.propose = self._propose
 
     # -- requests ------------------------------------------------------------------------
@@ -188,12 +203,29 @@ class LLMEngine:
         self._scheduler.replace_reserved(req)
         return list(req.pages)
 
-    def kv_ready(self, request_id: str) -> None:
-        """All KV of a reserved request has landed: it joins the batch and runs its last prompt token."""
+    def kv_ready(self, request_id: str, last_hidden: torch.Tensor | None = None) -> None:
+        """All KV of a reserved request has landed: it joins the batch and runs its last prompt token.
+        ``last_hidden``: the prefill's final hidden state at its last position (``prompt[-2]``); an
+        engine that drafts with MTP drafts from it before the first step, which then verifies a
+        draft (``wants_prefill_hidden``)."""
         req = self._get(request_id)
         if req.state is not RequestState.WAITING_FOR_KV:
             raise ValueError(f"request {request_id} is not waiting for KV (state {req.state.name})")
+        size = self.manifest.model.hidden_size
+        if last_hidden is not None and tuple(last_hidden.shape) != (size,):
+            raise ValueError(
+                f"request {request_id}: a last hidden state of shape {tuple(last_hidden.shape)}, not ({size},)"
+            )
         self._scheduler.kv_ready(req)
+        req.prefill_hidden = last_hidden
+        if last_hidden is not None and self._mtp_drafts:
+            self._seeds.append(req)
+
+    @property
+    def wants_prefill_hidden(self) -> bool:
+        """This engine drafts with MTP: a split request's first step can verify a draft made from
+        the prefill's last hidden state (ask the prefill node for it)."""
+        return self._mtp_drafts
 
     def kv_failed(self, request_id: str, error: str) -> None:
         self._finish(self._get(request_id), RequestState.FAILED, FinishReason.ERROR, error)
@@ -221,15 +253,20 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._seeds:
+            self._seed_drafts()
         sched = self._scheduler.schedule()
         if not sched.chunks:
             return []
         for obs in self._observers:
             obs.before_step(sched)
         hidden = self._runner.run(sched)
+        picks = self._choose(sched, hidden)
+        if self.model.mtp is not None:
+            self._draft_pass(sched, picks)
         for obs in self._observers:
             obs.after_forward(sched)
-        return self._postprocess(sched, hidden)
+        return self._apply(sched, picks)
 
     def has_unfinished(self) -> bool:
         s = self._scheduler
@@ -417,7 +454,7 @@ class LLMEngine:
         """Draft tokens for ``req`` (the scheduler's ``propose``): none for requests that opted out,
         or whose logits a draft would change (penalties); never past ``max_tokens`` or the context."""
         p, spec = req.params, self.config.speculative
-        if self._drafter is None or p.penalized or not (spec.default if p.speculate is None else p.speculate):
+        if p.penalized or not (spec.default if p.speculate is None else p.speculate):
             return []
         if spec.max_batch is not None and len(self._scheduler.running) > spec.max_batch:
             return []
@@ -425,9 +462,14 @@ class LLMEngine:
             req.spec.skip -= 1
             return []
         room = min(room, spec.num_tokens, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens)
-        return self._drafter.propose(req.all_tokens, room) if room > 0 else []
+        if room <= 0:
+            return []
+        if self._drafter is not None:
+            return self._drafter.propose(req.all_tokens, room)
+        # MTP: the draft the last step's MTP pass made for this very position (one token)
+        return [req.mtp_draft] if req.mtp_draft is not None and req.mtp_draft_at == req.num_tokens else []
 
-    def _verify(self, c: ScheduledChunk, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs]]:
+    def _verify(self, c: ScheduledChunk, logits: torch.Tensor) -> _Picked:
         """The tokens a speculative chunk emits (accepted draft tokens + the target's next one)."""
         req, draft, p = c.request, list(c.draft), c.request.params
         if p.greedy:
@@ -441,9 +483,10 @@ class LLMEngine:
         req.spec.backoff(n)
         self.spec_stats.add(len(draft), n)
         lps = logprobs_of(logits[: n + 1], tokens, [p.logprobs] * (n + 1)) if p.logprobs is not None else []
-        return tokens, lps
+        return _Picked(tokens, lps)
 
-    def _postprocess(self, sched: SchedulerOutput, hidden: torch.Tensor) -> list[RequestOutput]:
+    def _choose(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[int, _Picked]:
+        """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens."""
         first: dict[int, int] = {}  # id(chunk) -> its first row in ``hidden``
         rows: list[ScheduledChunk] = []  # chunks with exactly one row
         n_rows = 0
@@ -454,7 +497,9 @@ class LLMEngine:
                 first[id(c)], n_rows = n_rows, n_rows + 1
                 rows.append(c)
         logits = self._runner.logits(hidden) if first else hidden
-        spec = {id(c): self._verify(c, logits[first[id(c)] : first[id(c)] + c.length]) for c in sched.chunks if c.draft}
+        picks = {
+            id(c): self._verify(c, logits[first[id(c)] : first[id(c)] + c.length]) for c in sched.chunks if c.draft
+        }
         sampling = [first[id(c)] for c in rows if c.samples]
         reqs = [c.request for c in rows if c.samples]
         params = [r.params for r in reqs]
@@ -462,23 +507,74 @@ class LLMEngine:
         if any(p.penalized for p in params):
             apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
         tokens = sample(chosen, params, [r.sampler for r in reqs])
-        by_req = {id(r): t for r, t in zip(reqs, tokens, strict=True)}
         wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, TokenLogprobs] = {}
         if wanted:
             found = logprobs_of(chosen[wanted], [tokens[j] for j in wanted], [params[j].logprobs or 0 for j in wanted])
-            logprobs = {id(reqs[j]): lp for j, lp in zip(wanted, found, strict=True)}
+            logprobs = {j: lp for j, lp in zip(wanted, found, strict=True)}
+        sampled = [c for c in rows if c.samples]
+        for j, c in enumerate(sampled):
+            lp = logprobs.get(j)
+            picks[id(c)] = _Picked([tokens[j]], [lp] if lp is not None else [])
         for c in rows:
             if c.request.want_last_hidden:
                 i = first[id(c)]
                 c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
+        return picks
+
+    def _draft_pass(self, sched: SchedulerOutput, picks: dict[int, _Picked]) -> None:
+        """The MTP pass (every rank): each position computed in this step whose next token is now
+        known (prompt, sampled, accepted) writes its MTP-layer KV; the last position of a request that
+        emitted tokens drafts the token after them, for the next step. Positions of rejected drafts
+        are left out (their main-layer KV is not counted either)."""
+        spans: list[Span] = []
+        hidden_rows: list[int] = []
+        drafting: list[tuple[Request, int]] = []  # (request, its draft's position)
+        row = 0
+        for c in sched.chunks:
+            req, picked = c.request, picks.get(id(c))
+            emitted = picked.tokens if picked is not None else []
+            known = req.all_tokens + emitted
+            end = min(c.start + (len(emitted) if c.draft else c.length), len(known) - 1)
+            if end > c.start:
+                wants = bool(emitted) and self._mtp_drafts
+                spans.append(Span(known[c.start + 1 : end + 1], c.start, req.pages, int(wants)))
+                hidden_rows += range(row, row + end - c.start)
+                if wants:
+                    drafting.append((req, len(known)))
+            row += c.length
+        inputs = DraftInputs(self._runner.layout(spans), torch.tensor(hidden_rows, dtype=torch.long))
+        out = self._runner.run_draft(inputs)
+        if drafting:
+            drafts = self._runner.logits(out).argmax(dim=-1).tolist()
+            for (req, at), d in zip(drafting, drafts, strict=True):
+                req.mtp_draft, req.mtp_draft_at = int(d), at
+
+    def _seed_drafts(self) -> None:
+        """Split requests that just joined with the prefill's last hidden state (position n - 2):
+        the MTP module drafts token n from it and prompt token n - 1, so the first step verifies a
+        draft. Rewrites the MTP layer's KV at n - 2 (the prefill wrote the same); not a forward pass
+        of the layer counter."""
+        seeds = [r for r in self._seeds if r.state is RequestState.RUNNING and r.prefill_hidden is not None]
+        self._seeds = []
+        if not seeds:
+            return
+        n = [len(r.prompt_ids) for r in seeds]
+        spans = [Span([r.prompt_ids[-1]], k - 2, r.pages, 1) for r, k in zip(seeds, n, strict=True)]
+        hidden = torch.stack([r.prefill_hidden for r in seeds if r.prefill_hidden is not None])
+        inputs = DraftInputs(self._runner.layout(spans), torch.empty(0, dtype=torch.long), hidden, counted=False)
+        drafts = self._runner.logits(self._runner.run_draft(inputs)).argmax(dim=-1).tolist()
+        for r, k, d in zip(seeds, n, drafts, strict=True):
+            r.mtp_draft, r.mtp_draft_at = int(d), k
+
+    def _apply(self, sched: SchedulerOutput, picks: dict[int, _Picked]) -> list[RequestOutput]:
         outputs = []
         for c in sched.chunks:
             req = c.request
             if c.draft:
-                tokens, lps = spec[id(c)]
-                req.num_computed += len(tokens)  # its next token and the accepted drafts now have KV
-                outputs.append(self._append_tokens(req, tokens, lps))
+                p = picks[id(c)]
+                req.num_computed += len(p.tokens)  # its next token and the accepted drafts now have KV
+                outputs.append(self._append_tokens(req, p.tokens, p.logprobs))
                 self._scheduler.trim(req)  # pages past the rejected positions go back
                 continue
             req.num_computed += c.length
@@ -488,7 +584,8 @@ class LLMEngine:
                     RequestOutput(request_id=req.request_id, finished=True, finish_reason=FinishReason.PREFILLED)
                 )
             elif c.samples:
-                outputs.append(self._append_token(req, by_req[id(req)], logprobs.get(id(req))))
+                p = picks[id(c)]
+                outputs.append(self._append_token(req, p.tokens[0], p.logprobs[0] if p.logprobs else None))
         return outputs
 
     def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs]) -> RequestOutput:

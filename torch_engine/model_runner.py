@@ -40,6 +40,30 @@ class StepInputs:
     output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
 
 
+@dataclass(slots=True)
+class Span:
+    """Consecutive positions of one request computed in a pass."""
+
+    ids: list[int]  # the input token of each position
+    start: int  # position of the first
+    pages: list[int]  # the request's pages
+    outputs: int  # how many of the last rows are output rows
+
+
+@dataclass(slots=True)
+class DraftInputs:
+    """The multi-token-prediction pass of a step (``models.decoder.MTPModule``), run on every rank
+    after the step's tokens are chosen: ``step.input_ids`` are the next tokens, fed with the main
+    pass's final hidden states of rows ``hidden_rows`` (or with ``hidden``, shipped from a prefill
+    node); ``step.output_rows`` are the rows whose draft is wanted. Empty (no rows): every rank
+    still marks the MTP layer done for this forward pass (the layer counters stay in step)."""
+
+    step: StepInputs
+    hidden_rows: torch.Tensor  # [T] rows of the main pass
+    hidden: torch.Tensor | None = None  # [T, H] instead of the main pass's rows
+    counted: bool = True  # a forward pass of the layer counter (False: a split request's first draft)
+
+
 def _page_table(rows: list[list[int]]) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long)
@@ -66,6 +90,8 @@ class ModelRunner:
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.tick_hook: TickHook | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps through static buffers / CUDA graphs
+        self._hidden = torch.empty(0)  # the last step's final hidden states, every row (MTP models)
+        self._uncounted = LayerProgress(progress.num_layers, device)  # passes outside the layer counter
 
     def use_decode_graphs(self, scratch_page: int, max_batch: int) -> None:
         """Serve decode-only steps from ``DecodeGraphs`` (captured on CUDA, eager buffers elsewhere)."""
@@ -75,6 +101,18 @@ class ModelRunner:
         )
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        spans = []
+        for c in sched.chunks:
+            req = c.request
+            tokens = req.all_tokens + list(c.draft) if c.draft else req.all_tokens
+            # output rows: every position of a draft chunk (the target's next token after each draft
+            # prefix), the last of a chunk that samples or whose final hidden state is wanted
+            outputs = c.length if c.draft else int(c.samples or (c.completes and req.want_last_hidden))
+            spans.append(Span(tokens[c.start : c.start + c.length], c.start, req.pages, outputs))
+        return self.layout(spans)
+
+    def layout(self, spans: list[Span]) -> StepInputs:
+        """The step's tensors for ``spans`` (rows in span order)."""
         ids: list[int] = []
         pos: list[int] = []
         pages: list[int] = []
@@ -84,23 +122,19 @@ class ModelRunner:
         prefills: list[tuple[int, int, int, torch.Tensor]] = []
         out_rows: list[int] = []
         p = self.page_size
-        for c in sched.chunks:
-            req, row = c.request, len(ids)
-            tokens = req.all_tokens + list(c.draft) if c.draft else req.all_tokens
-            ids += tokens[c.start : c.start + c.length]
-            pos += range(c.start, c.start + c.length)
-            pages += [req.pages[i // p] for i in range(c.start, c.start + c.length)]
-            used = req.pages[: -(-(c.start + c.length) // p)]
-            if c.length == 1:
+        for sp in spans:
+            row, n = len(ids), len(sp.ids)
+            ids += sp.ids
+            pos += range(sp.start, sp.start + n)
+            pages += [sp.pages[i // p] for i in range(sp.start, sp.start + n)]
+            used = sp.pages[: -(-(sp.start + n) // p)]
+            if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(used)
-                decode_lens.append(c.start + 1)
+                decode_lens.append(sp.start + 1)
             else:
-                prefills.append((row, row + c.length, c.start, _page_table([used])))
-            if c.draft:  # every position: the target's next token after each draft prefix
-                out_rows += range(row, row + c.length)
-            elif c.samples or (c.completes and req.want_last_hidden):
-                out_rows.append(row + c.length - 1)
+                prefills.append((row, row + n, sp.start, _page_table([used])))
+            out_rows += range(row + n - sp.outputs, row + n)
         positions = torch.tensor(pos, dtype=torch.long)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -135,10 +169,37 @@ class ModelRunner:
     def execute(self, s: StepInputs) -> torch.Tensor:
         """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
         g, tables, lens = self.graphs, s.decode_tables, s.decode_kv_lens
+        rows = s.output_rows.to(self.device)
         if g is not None and tables is not None and lens is not None and g.eligible(len(s.input_ids), bool(s.prefills)):
-            return g.run(s.input_ids, s.positions, tables, lens)[s.output_rows.to(self.device)]
-        h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)
-        return self.model.norm(h[s.output_rows.to(self.device)])
+            hidden = g.run(s.input_ids, s.positions, tables, lens)
+        else:
+            h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)
+            if self.model.mtp is None:
+                return self.model.norm(h[rows])
+            hidden = self.model.norm(h)
+        if self.model.mtp is not None:
+            self._hidden = hidden  # every row: the MTP pass reads them
+        return hidden[rows]
+
+    @torch.inference_mode()
+    def execute_draft(self, d: DraftInputs) -> torch.Tensor:
+        """Runs the MTP pass on this rank; returns the MTP module's normed output at the output rows."""
+        mtp = self.model.mtp
+        assert mtp is not None, "a draft pass needs a model with an MTP module"
+        s = d.step
+        if not len(s.input_ids):
+            self.progress.bump(mtp.layer)
+            return torch.empty(0, self.model.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        given = d.hidden
+        hidden = given.to(self.device, self.dtype) if given is not None else self._hidden[d.hidden_rows.to(self.device)]
+        progress = self.progress if d.counted else self._uncounted
+        out = mtp(self.model.embed(s.input_ids.to(self.device)), hidden, self._metadata(s), self.kv, progress)
+        return out[s.output_rows.to(self.device)]
+
+    def run_draft(self, d: DraftInputs) -> torch.Tensor:
+        """Leader: broadcast the MTP pass to the followers and run it."""
+        self.tp.broadcast_object(d)
+        return self.execute_draft(d)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,6 +227,8 @@ class ModelRunner:
                 return
             if isinstance(msg, StepInputs):
                 self.execute(msg)
+            elif isinstance(msg, DraftInputs):
+                self.execute_draft(msg)
             elif on_message is not None:
                 on_message(msg)
             else:

@@ -68,6 +68,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)  # draft tokens proposed / accepted
+    mtp_draft: int | None = None  # the MTP module's draft for position ``mtp_draft_at``
+    mtp_draft_at: int = -1
+    prefill_hidden: torch.Tensor | None = None  # split request: the prefill's last hidden state (MTP's first draft)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -32,3 +32,16 @@ def test_tp_equals_tp1(kind: str, tp: int, fast: bool, tiny_engine_dir, tmp_path
     result = json.loads(out.read_text())
     assert result["tokens"] == ref
     assert result["pages_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_tp_with_mtp_drafts_equals_tp1(kind: str, mtp_engine_dir, tmp_path) -> None:
+    """The MTP pass runs on every rank (its block is sharded like a decoder layer; the leader
+    broadcasts it after choosing the step's tokens): TP 2 with MTP drafts == TP 1 without."""
+    ref = tiny_engine(mtp_engine_dir(kind)).generate(PROMPTS, SamplingParams(max_tokens=12))
+    out = tmp_path / "out.json"
+    args = (2, str(tmp_path / "rdzv"), str(mtp_engine_dir(kind, tp=2)), PROMPTS, 12, str(out), False, "mtp")
+    mp.spawn(tp_generate, args=args, nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["tokens"] == ref
+    assert result["drafts"] > 0 and result["pages_used"] == 0

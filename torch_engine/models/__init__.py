@@ -22,10 +22,10 @@ def cache_spec(
     if cfg.is_mla:
         assert cfg.kv_lora_rank is not None
         return KVCacheSpec(
-            cfg.num_layers, num_pages, page_size, layout, dtype, latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            cfg.num_kv_layers, num_pages, page_size, layout, dtype, latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim
         )
     return KVCacheSpec(
-        cfg.num_layers,
+        cfg.num_kv_layers,
         num_pages,
         page_size,
         layout,

@@ -1,0 +1,211 @@
+"""Multi-token prediction (DeepSeek-V3's MTP module) as a drafter: imported from checkpoints that
+carry it, its drafts equal an independent reference built from Hugging Face's own decoder layers,
+and speculation with it is lossless (greedy tokens equal plain decoding) on GQA and MLA + MoE."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from builders.errors import BuildError
+from tests.helpers import build_tiny, engine_config, mtp_reference
+from tests.test_engine_equivalence import prompt_of
+from torch_engine.config import EngineManifest, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.request import RequestKind, RequestState
+from torch_engine.sampling import SamplingParams
+from torch_engine.scheduler import SchedulerOutput
+
+MTP = SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1)
+PROMPTS = [prompt_of(30, 1), prompt_of(9, 2), prompt_of(41, 3), prompt_of(2, 4)]
+
+
+def engine(engine_dir: Path, spec: SpeculativeConfig | None = MTP, **kw: Any) -> LLMEngine:
+    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=48, max_num_seqs=16)
+    settings: dict[str, object] = {"num_pages": 256, "scheduler": sched, "dtype": "float32"}
+    if spec is not None:
+        settings["speculative"] = spec
+    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False)
+
+
+class DraftLog:
+    """Step observer (the engine's public port): every draft a step verifies, by request and position."""
+
+    def __init__(self) -> None:
+        self.drafts: list[tuple[str, int, tuple[int, ...]]] = []
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        self.drafts += [(c.request.request_id, c.start, c.draft) for c in sched.chunks if c.draft]
+
+    def after_forward(self, sched: SchedulerOutput) -> None:
+        pass
+
+
+def run_logged(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[str], dict]:
+    """Generate, recording after every step each request's MTP draft (for which position)."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    made: dict[str, dict[int, int]] = {i: {} for i in ids}
+    while eng.has_unfinished():
+        eng.step()
+        for i in ids:
+            r = eng.request(i)
+            if r.mtp_draft is not None:
+                made[i][r.mtp_draft_at] = r.mtp_draft
+    return ids, made
+
+
+# -- import -----------------------------------------------------------------------------------
+
+
+def test_mtp_layer_is_imported_and_its_absence_is_not_an_error(mtp_engine_dir, tiny_engine_dir) -> None:
+    assert EngineManifest.load(mtp_engine_dir("deepseek_v3")).model.num_mtp_layers == 1
+    # the plain tiny DeepSeek-V3 declares num_nextn_predict_layers = 1 (the HF default) but, saved by
+    # Hugging Face, carries no MTP tensors: it builds without MTP, and asking it for MTP drafts is refused
+    plain = tiny_engine_dir("deepseek_v3")
+    assert EngineManifest.load(plain).model.num_mtp_layers == 0
+    with pytest.raises(ValueError, match="mtp needs a checkpoint with an MTP module"):
+        engine(plain)
+    eng = engine(mtp_engine_dir("llama"), spec=None)  # an MTP engine need not speculate
+    assert eng.kv.spec.num_layers == 3 and eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("eh_proj.weight", "MTP layer 2 is incomplete"),
+        ("self_attn.o_proj.weight", "lacks tensor 'model.layers.2.self_attn.o_proj.weight'"),
+        ("shared_head.head.weight", "differs from lm_head.weight"),
+    ],
+)
+def test_broken_mtp_checkpoints_get_a_clear_error(mtp_tiny, tmp_path, drop: str, message: str) -> None:
+    folder, _ = mtp_tiny("llama")
+    broken = tmp_path / "ck"
+    broken.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(folder / "model.safetensors"))
+    name = f"model.layers.2.{drop}"
+    if drop.startswith("shared_head"):
+        state[name] = state[name] + 1.0  # not the model's head any more
+    else:
+        del state[name]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(BuildError, match=message):
+        build_tiny(broken, tmp_path / "e")
+
+
+# -- drafting and verification ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("llama", KVLayout.HND), ("llama", KVLayout.NHD), ("deepseek_v3", None)])
+def test_greedy_with_mtp_equals_without_and_drafts_equal_the_reference(
+    kind: str, layout: KVLayout | None, mtp_engine_dir, mtp_tiny, engine_path
+) -> None:
+    """A batch with chunked prefill (chunks of 16) and a 2-token prompt: greedy tokens equal plain
+    decoding; every draft the MTP pass made (after every step, for every request) equals the one
+    Hugging Face's layers compute from the final sequence; the drafts verified were those."""
+    if kind == "deepseek_v3" and engine_path == "graphs":
+        pytest.skip("decode graphs serve models without MoE only")
+    kw: dict[str, Any] = {"kv_layout": layout} if layout is not None else {}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = engine(mtp_engine_dir(kind), spec=None, **kw).generate(PROMPTS, params)
+    eng = engine(mtp_engine_dir(kind), **kw)
+    log = DraftLog()
+    eng.attach(log)
+    ids, made = run_logged(eng, PROMPTS, params)
+    assert [eng.request(i).output_ids for i in ids] == plain
+    _, hf = mtp_tiny(kind)
+    for i, rid in enumerate(ids):
+        ref = mtp_reference(hf, PROMPTS[i] + plain[i])  # ref[p]: the draft for position p + 2
+        assert made[rid] and all(ref[at - 2] == d for at, d in made[rid].items() if at < len(ref) + 2), rid
+    assert log.drafts and all(d == (made[rid][s + 1],) for rid, s, d in log.drafts)
+    assert eng.spec_stats.proposed == len(log.drafts)
+    assert eng.page_stats().used == 0
+
+
+def test_accepted_drafts_keep_the_mtp_layer_in_step(mtp_engine_dir, mtp_tiny) -> None:
+    """Random weights seldom draft right; here every draft is right (an oracle stands in for the
+    drafter: the true next token), so every step accepts its draft and emits two tokens, and the MTP
+    pass then runs over both positions. Its drafts still equal the reference at every position."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    plain = engine(mtp_engine_dir("llama"), spec=None).generate(prompts, params)
+    eng = engine(mtp_engine_dir("llama"))
+    future = {tuple(p): p + o for p, o in zip(prompts, plain, strict=True)}
+    eng._scheduler.propose = lambda req, room: [future[tuple(req.prompt_ids)][req.num_tokens]]
+    ids, made = run_logged(eng, prompts, params)
+    assert [eng.request(i).output_ids for i in ids] == plain
+    assert eng.spec_stats.accepted == eng.spec_stats.proposed > 20
+    _, hf = mtp_tiny("llama")
+    for i, rid in enumerate(ids):
+        ref = mtp_reference(hf, prompts[i] + plain[i])
+        assert len(made[rid]) > 5 and all(ref[at - 2] == d for at, d in made[rid].items() if at < len(ref) + 2)
+
+
+def test_sampled_requests_speculate_with_mtp(mtp_engine_dir) -> None:
+    """Seeded sampled requests verify MTP drafts by rejection sampling (a point-mass draft, as for
+    n-gram: the rule and its distribution are tested in test_speculative.py); they run to length
+    and give every page back."""
+    eng = engine(mtp_engine_dir("deepseek_v3"))
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=3)
+    out = eng.generate(PROMPTS, params)
+    assert all(len(o) == 20 for o in out)
+    assert eng.spec_stats.proposed > 0 and eng.page_stats().used == 0
+
+
+def test_random_requests_and_cancellations_with_mtp_free_every_page(mtp_engine_dir) -> None:
+    """200 random requests (generate, prefill-only, decode-from-KV; greedy and sampled) with MTP
+    speculation, random cancellations and a pool small enough to preempt: every page comes back."""
+    rng = random.Random(11)
+    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=32, max_num_seqs=8)
+    eng = LLMEngine(
+        engine_config(mtp_engine_dir("llama"), num_pages=40, scheduler=sched, dtype="float32", speculative=MTP),
+        load_tokenizer=False,
+    )
+    ids: list[str] = []
+    submitted = 0
+    while submitted < 200 or eng.has_unfinished() or eng.waiting_for_kv() or eng.prefilled():
+        for _ in range(rng.randrange(0, 4)):
+            if submitted >= 200:
+                break
+            prompt = prompt_of(rng.randrange(1, 60), submitted)
+            params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.8]), seed=submitted)
+            roll = rng.random()
+            if roll < 0.1 and len(prompt) > 1 and eng.can_reserve(len(prompt)):
+                rid, _ = eng.reserve_for_kv(prompt, params)
+            elif roll < 0.2:
+                rid = eng.add_request(prompt, params, kind=RequestKind.PREFILL_ONLY)
+            else:
+                rid = eng.add_request(prompt, params)
+            ids.append(rid)
+            submitted += 1
+        eng.step()
+        for rid in list(eng.waiting_for_kv()):
+            if rng.random() < 0.3:
+                eng.kv_ready(rid)
+        for rid in list(eng.prefilled()):
+            if rng.random() < 0.5:
+                eng.release(rid)
+        if rng.random() < 0.15:
+            eng.abort(rng.choice(ids))
+    assert all(eng.request(i).finished for i in ids)
+    assert eng.page_stats().used == 0 and eng.page_stats().pinned == 0
+    assert eng.num_preemptions > 0 and eng.spec_stats.proposed > 0
+    assert any(eng.request(i).state is RequestState.ABORTED for i in ids)
+
+
+def test_mtp_layer_progress_counts_every_forward(mtp_engine_dir) -> None:
+    """The MTP layer's KV is layer ``num_layers`` of the pools and of the layer counter: every
+    forward pass bumps it once (after the decoder's layers), drafting or not, so that a prefill
+    node streams it like any other layer."""
+    eng = engine(mtp_engine_dir("llama"), spec=None)
+    eng.generate(PROMPTS, SamplingParams(max_tokens=5))
+    counts = eng.progress.snapshot()
+    assert len(counts) == 3 and len(set(counts)) == 1 and counts[0] > 0
+    torch.testing.assert_close(eng.kv.pools[2].float().abs().sum() > 0, torch.tensor(True))
