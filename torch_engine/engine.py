@@ -450,11 +450,17 @@ class LLMEngine:
         self._scheduler.finish(req, state, reason, error)
         self._detok.pop(req.request_id, None)
 
-    def _propose(self, req: Request, room: int) -> list[int]:
-        """Draft tokens for ``req`` (the scheduler's ``propose``): none for requests that opted out,
-        or whose logits a draft would change (penalties); never past ``max_tokens`` or the context."""
+    def _may_draft(self, req: Request) -> bool:
+        """The request speculates: it opted in (or left it to the default) and has no penalties
+        (its logits would depend on the tokens a draft adds)."""
         p, spec = req.params, self.config.speculative
-        if p.penalized or not (spec.default if p.speculate is None else p.speculate):
+        return not p.penalized and (spec.default if p.speculate is None else p.speculate)
+
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Draft tokens for ``req`` (the scheduler's ``propose``): none for requests that do not
+        speculate (``_may_draft``); never past ``max_tokens`` or the context."""
+        p, spec = req.params, self.config.speculative
+        if not self._may_draft(req):
             return []
         if spec.max_batch is not None and len(self._scheduler.running) > spec.max_batch:
             return []
@@ -537,7 +543,8 @@ class LLMEngine:
             known = req.all_tokens + emitted
             end = min(c.start + (len(emitted) if c.draft else c.length), len(known) - 1)
             if end > c.start:
-                wants = bool(emitted) and self._mtp_drafts
+                # a draft is wanted for the next step, unless the request opted out or backs off then
+                wants = bool(emitted) and self._mtp_drafts and not req.spec.skip and self._may_draft(req)
                 spans.append(Span(known[c.start + 1 : end + 1], c.start, req.pages, int(wants)))
                 hidden_rows += range(row, row + end - c.start)
                 if wants:

@@ -248,3 +248,32 @@ def test_speculating_decode_group_equals_colocated(tiny_engine_dir, tmp_path, pr
     assert [c.token_ids for c in got] == reference(tiny_engine_dir("llama", 1), prompts, 24)
     accepted = next(x for x in text.splitlines() if x.startswith("disagg_draft_tokens_total") and "accepted" in x)
     assert float(accepted.rsplit(" ", 1)[1]) > 0, accepted
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_mtp_decode_group_across_tp_mismatch_equals_colocated(kind: str, mtp_engine_dir, tmp_path) -> None:
+    """Prefill TP 2 -> decode TP 1 drafting with the MTP module: the prefill streams the MTP layer's
+    KV with the others and hands over its last hidden state (the decoder's metadata slots), the
+    decoder drafts its first step from it; greedy tokens equal plain decoding."""
+    cfg = tiny_cfg(tmp_path, mtp_engine_dir, kind, 2, 1)
+    cfg = cfg.model_copy(update={"speculative": SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1)})
+    prompts = PROMPTS[1:]  # prompts of >= 2 tokens: every one is split
+
+    def proposed(port: int) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("disagg_draft_tokens_total") and "proposed" in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    with deployed(cfg) as launch:
+        assert launch.prepared is not None
+        decode = next(ld for ld in launch.prepared.leaders if ld.slot.role is not Role.PREFILL)
+        # two tokens each: only a first step seeded by the shipped hidden state can draft (the
+        # second token is the last, so the second step has no room for a draft)
+        short = run_ids(grpc_url(launch), prompts, 2)
+        seeded = proposed(decode.ports.metrics)
+        got = run_ids(grpc_url(launch), prompts, 12)
+    assert [c.error for c in short + got] == [None] * 2 * len(prompts)
+    assert seeded == len(prompts)
+    assert [c.token_ids for c in short] == reference(mtp_engine_dir(kind, 1), prompts, 2)
+    assert [c.token_ids for c in got] == reference(mtp_engine_dir(kind, 1), prompts, 12)
