@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer image image-test clean
+.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer bench-spec mtp-head image image-test clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,18 @@ bench-engine: setup
 
 bench-transfer: setup
 	$(VENV)/bin/disagg bench transfer --json runs/bench_transfer.json
+
+# An MTP head for the embedded SmolLM2 (which has none), by self-distillation on its own greedy outputs
+# (builders/train_mtp.py; ~12 min here), and the speculative-decoding benchmark with each drafter.
+MTP_HEAD := build/smollm2-mtp-head.safetensors
+mtp-head: $(MTP_HEAD)
+
+$(MTP_HEAD): setup builders/train_mtp.py
+	$(VENV)/bin/disagg train-mtp --out $(MTP_HEAD) --epochs 10 --lr 1e-3
+
+bench-spec: setup $(MTP_HEAD)
+	$(VENV)/bin/disagg bench spec --json runs/bench_spec.json
+	$(VENV)/bin/disagg bench spec --method mtp --mtp-head $(MTP_HEAD) --json runs/bench_spec_mtp.json
 
 # The CPU deployment as an OCI image (debootstrap + buildah, vfs storage; needs root and Debian's buildah,
 # podman and debootstrap, installed here if missing) and its smoke test (podman, host network). Not part of

@@ -1,4 +1,4 @@
-"""``disagg bench spec``: decode speed with and without n-gram speculative decoding, side by side.
+"""``disagg bench spec``: decode speed with and without speculative decoding (n-gram or MTP), side by side.
 
 For each workload (prompts whose continuations repeat earlier text to different degrees) and each
 batch size, the same engine settings run the same greedy requests with speculation off and on,
@@ -55,7 +55,9 @@ class Point:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="checkpoint (default: the embedded SmolLM2)")
     p.add_argument("--dtype", choices=["auto", *(d.value for d in DType)], default="auto")
-    p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (k)")
+    p.add_argument("--method", choices=[SpecMethod.NGRAM.value, SpecMethod.MTP.value], default=SpecMethod.NGRAM.value)
+    p.add_argument("--mtp-head", type=Path, default=None, help="MTP head to attach (disagg train-mtp) for --method mtp")
+    p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (k; MTP drafts 1)")
     p.add_argument("--decode-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=3)
@@ -85,11 +87,14 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[float,
 
 def run(a: argparse.Namespace) -> int:
     cache = Path.home() / ".cache" / "disagg" / "engines"
-    engine_dir = build_engine(a.model, cache / "bench-spec", BuildOptions(dtype=DType.FLOAT32), progress=False)
+    method = SpecMethod(a.method)
+    opts = BuildOptions(dtype=DType.FLOAT32, mtp_head=a.mtp_head)
+    engine_dir = build_engine(a.model, cache / f"bench-spec-{method.value}", opts, progress=False)
     base = {"engine_dir": engine_dir, "dtype": a.dtype, "num_pages": 512, "num_threads": a.threads}
     base["scheduler"] = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     plain = LLMEngine(EngineConfig.model_validate(base))
-    spec_cfg = SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=a.num_tokens)
+    k = 1 if method is SpecMethod.MTP else a.num_tokens
+    spec_cfg = SpeculativeConfig(method=method, num_tokens=k)
     spec = LLMEngine(EngineConfig.model_validate(base | {"speculative": spec_cfg}))
     tok = plain.tokenizer
     assert tok is not None
@@ -113,7 +118,7 @@ def run(a: argparse.Namespace) -> int:
             points.append(point)
             print(f"{name:5s} batch {batch:2d}: {p:6.1f} -> {s:6.1f} tok/s ({s / p:.2f}x), "
                   f"accepted {accepted}/{proposed} ({point.acceptance:.0%}), identical {point.identical}")  # fmt: skip
-    report = {"cpu": cpu_info().as_dict(), "kernel_path": spec.kernel_path, "num_tokens": a.num_tokens,
+    report = {"cpu": cpu_info().as_dict(), "kernel_path": spec.kernel_path, "method": method.value, "num_tokens": k,
               "decode_tokens": a.decode_tokens, "points": [asdict(p) for p in points]}  # fmt: skip
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from builders.embedded import resolve_source
 from builders.errors import BuildError
 from builders.gguf_import import load_gguf
 from builders.hf_import import load_hf_folder
+from builders.mtp_head import attach_head
 from builders.sharding import check_tp, shard
 from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role
 
@@ -40,6 +41,7 @@ class BuildOptions:
     dtype: DType = DType.BFLOAT16
     page_size: int = 16
     kv_layout: KVLayout = KVLayout.HND
+    mtp_head: Path | None = None  # a trained MTP head to attach (``builders/train_mtp.py``)
 
 
 def load_checkpoint(source: str) -> Checkpoint:
@@ -62,6 +64,9 @@ def _fingerprint(path: Path, opts: BuildOptions) -> str:
         [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size, opts.kv_layout.value]
     )
     h.update(opts_text.encode())
+    if opts.mtp_head is not None:
+        st = Path(opts.mtp_head).stat()
+        h.update(f"mtp:{Path(opts.mtp_head).resolve()}:{st.st_size}:{int(st.st_mtime)};".encode())
     return h.hexdigest()
 
 
@@ -72,7 +77,8 @@ def default_engine_dir(cache_root: Path, source: str, opts: BuildOptions) -> Pat
     path = resolve_source(source)
     name = path.stem if path.is_file() else path.name
     fp = _fingerprint(path, opts)[:12]
-    return cache_root / f"{name}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}-{fp}"
+    mtp = "-mtp" if opts.mtp_head is not None else ""
+    return cache_root / f"{name}{mtp}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}-{fp}"
 
 
 def _cached(out: Path, fingerprint: str, tp: int) -> bool:
@@ -97,6 +103,8 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
     if _cached(out, fingerprint, opts.tp_size):
         return out
     ck = load_checkpoint(source)
+    if opts.mtp_head is not None:
+        ck = attach_head(ck, Path(opts.mtp_head))
     check_tp(ck.config, opts.tp_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

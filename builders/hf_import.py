@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
+from builders.mtp_head import with_mtp
 from torch_engine.config import Family, ModelConfig, RopeScaling
 
 SUPPORTED = {
@@ -128,28 +129,6 @@ def config_from_hf(cfg: dict[str, Any], folder: Path) -> ModelConfig:
         raise BuildError(f"config.json describes a model this engine cannot run: {exc}") from exc
 
 
-MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-MTP_SHARED = (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight"))
-
-
-def _with_mtp(cfg: ModelConfig, raw: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ModelConfig:
-    """DeepSeek-V3's MTP module (``num_nextn_predict_layers``; checkpoint layer ``num_hidden_layers``):
-    imported when its tensors are there, the model built without it when they are not (Hugging Face's
-    own save drops them); a partial or inconsistent one is an error. Only the first MTP layer is used."""
-    declared = int(raw.get("num_nextn_predict_layers") or 0)
-    prefix = f"model.layers.{cfg.num_layers}."
-    if not declared or not any(k.startswith(prefix) for k in tensors):
-        return cfg
-    missing = [prefix + k for k in MTP_TENSORS if prefix + k not in tensors]
-    if missing:
-        raise BuildError(f"the checkpoint's MTP layer {cfg.num_layers} is incomplete: it lacks {missing}")
-    for own, main in MTP_SHARED:
-        mine, theirs = tensors.get(prefix + own), tensors.get(main, tensors.get("model.embed_tokens.weight"))
-        if mine is not None and theirs is not None and not torch.equal(mine, theirs):
-            raise BuildError(f"the MTP layer's {prefix + own} differs from {main}: MTP shares the model's")
-    return cfg.model_copy(update={"num_mtp_layers": 1})
-
-
 def _fuse_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Per-expert ``experts.{j}.{gate,up,down}_proj`` -> fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
     for layer in range(cfg.num_kv_layers):
@@ -182,7 +161,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
             tensors |= load_file(str(f))
         except (SafetensorError, OSError) as exc:
             raise BuildError(f"{f} is corrupt or unreadable: {exc}") from exc
-    cfg = _with_mtp(cfg, raw, tensors)
+    cfg = with_mtp(cfg, int(raw.get("num_nextn_predict_layers") or 0), tensors)
     if cfg.n_routed_experts:
         _fuse_experts(tensors, cfg)
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:

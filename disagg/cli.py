@@ -16,7 +16,7 @@ from bench import engine as bench_engine
 from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
-from builders import BuildError
+from builders import BuildError, train_mtp
 from orchestrator import engine_cli, launch_cli
 from torch_engine.sampling import InvalidRequestError
 
@@ -37,6 +37,8 @@ COMMANDS = [
     Command("chat", "interactive chat on the engine", engine_cli.add_chat_arguments, engine_cli.run_chat),
     Command("launch", "start a deployment from a cluster config (mpirun), serve until Ctrl-C",
             launch_cli.add_arguments, launch_cli.run),
+    Command("train-mtp", "train an MTP head for a checkpoint without one (self-distillation)",
+            train_mtp.add_arguments, train_mtp.run),
 ]  # fmt: skip
 BENCHES = [
     Command("engine", "engine decode / prefill speed vs HF transformers and the memory floor",
@@ -45,7 +47,7 @@ BENCHES = [
             bench_transfer.add_arguments, bench_transfer.run),
     Command("serve", "colocated vs disaggregated deployments on equal hardware: TTFT, ITL, goodput",
             bench_serve.add_arguments, bench_serve.run),
-    Command("spec", "decode speed with and without n-gram speculative decoding, acceptance",
+    Command("spec", "decode speed with and without speculative decoding (n-gram, MTP), acceptance",
             bench_spec.add_arguments, bench_spec.run),
 ]  # fmt: skip
 

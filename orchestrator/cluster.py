@@ -113,6 +113,9 @@ class TimeoutSpec(RequestTimeouts):
 
 class ClusterConfig(_Frozen):
     model: str = Field(default="smollm2", description="checkpoint: 'smollm2' (embedded), a .gguf or an HF folder")
+    mtp_head: Path | None = Field(
+        default=None, description="an MTP head attached to `model` at build time (disagg train-mtp)"
+    )
     dtype: DType = Field(default=DType.FLOAT32, description="dtype the engines are built (stored) in")
     run_dtype: DType | Literal["auto"] = Field(
         default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"

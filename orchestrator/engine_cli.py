@@ -28,11 +28,17 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.HND.value)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_ENGINE_CACHE, help="where built engines are cached")
+    p.add_argument("--mtp-head", type=Path, default=None, help="attach this trained MTP head (disagg train-mtp)")
 
 
 def build_options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOptions:
     return BuildOptions(
-        role=role, tp_size=a.tp, dtype=DType(a.dtype), page_size=a.page_size, kv_layout=KVLayout(a.layout)
+        role=role,
+        tp_size=a.tp,
+        dtype=DType(a.dtype),
+        page_size=a.page_size,
+        kv_layout=KVLayout(a.layout),
+        mtp_head=a.mtp_head,
     )
 
 

@@ -101,7 +101,12 @@ def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
             dirs[role] = spec.engine_dir
             continue
         opts = BuildOptions(
-            role=role, tp_size=spec.tp, dtype=cfg.dtype, page_size=cfg.page_size, kv_layout=cfg.kv_layout
+            role=role,
+            tp_size=spec.tp,
+            dtype=cfg.dtype,
+            page_size=cfg.page_size,
+            kv_layout=cfg.kv_layout,
+            mtp_head=cfg.mtp_head,
         )
         dirs[role] = build_engine(cfg.model, default_engine_dir(cfg.engine_cache, cfg.model, opts), opts, progress)
     return dirs

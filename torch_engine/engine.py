@@ -529,8 +529,9 @@ class LLMEngine:
         return picks
 
     def _draft_pass(self, sched: SchedulerOutput, picks: dict[int, _Picked]) -> None:
-        """The MTP pass (every rank): each position computed in this step whose next token is now
-        known (prompt, sampled, accepted) writes its MTP-layer KV; the last position of a request that
+        """The MTP pass (every rank; requests of an engine that drafts with MTP, and prefill-only ones,
+        whose decoder may): each position computed in this step whose next token is now known
+        (prompt, sampled, accepted) writes its MTP-layer KV; the last position of a request that
         emitted tokens drafts the token after them, for the next step. Positions of rejected drafts
         are left out (their main-layer KV is not counted either)."""
         spans: list[Span] = []
@@ -539,6 +540,9 @@ class LLMEngine:
         row = 0
         for c in sched.chunks:
             req, picked = c.request, picks.get(id(c))
+            if not (self._mtp_drafts or req.kind is RequestKind.PREFILL_ONLY):
+                row += c.length  # its MTP KV is never read: no drafts here, no decoder to send it to
+                continue
             emitted = picked.tokens if picked is not None else []
             known = req.all_tokens + emitted
             end = min(c.start + (len(emitted) if c.draft else c.length), len(known) - 1)
