@@ -156,12 +156,15 @@ class PrefillSide:
         return RankEndpoint.of(self.transport.name, self.transport.metadata(), self.layout, self.pools)
 
     def connect(self, decode_ranks: Sequence[RankEndpoint]) -> None:
-        """Handshake with a decode group: layouts must match (else nothing is ever sent)."""
+        """Handshake with a decode group: layouts must match (else nothing is ever sent). Safe while
+        the messenger thread runs (a group that came up later)."""
         for ep in decode_ranks:
             check_compatible(self.layout, ep.layout)
-            self.transport.add_peer(ep.agent, ep.metadata)
-            self._peers[ep.agent] = ep
-            self._peer_pools[ep.agent] = (list(ep.layer_addrs), ep.layout.page_bytes)
+        with self._lock:
+            for ep in decode_ranks:
+                self.transport.add_peer(ep.agent, ep.metadata)
+                self._peers[ep.agent] = ep
+                self._peer_pools[ep.agent] = (list(ep.layer_addrs), ep.layout.page_bytes)
 
     def peer_endpoint(self, agent: str) -> RankEndpoint:
         return self._peers[agent]

@@ -104,6 +104,15 @@ class PortSpec(_Frozen):
     )
 
 
+class RestartSpec(_Frozen):
+    """A group whose rank died is restarted as a whole (its own mpirun job), after a back-off that
+    doubles with each restart of that group, at most ``max_restarts`` times."""
+
+    max_restarts: int = Field(default=3, ge=0, description="restarts of one group; then it stays down")
+    backoff_s: float = Field(default=1.0, ge=0, description="wait before the first restart of a group")
+    max_backoff_s: float = Field(default=30.0, ge=0, description="the longest wait between restarts")
+
+
 class TimeoutSpec(RequestTimeouts):
     """The nodes' request timeouts, and the launcher's own."""
 
@@ -117,6 +126,7 @@ class ClusterConfig(_Frozen):
         default=None, description="an MTP head attached to `model` at build time (disagg train-mtp)"
     )
     dtype: DType = Field(default=DType.FLOAT32, description="dtype the engines are built (stored) in")
+    restart: RestartSpec = RestartSpec()
     run_dtype: DType | Literal["auto"] = Field(
         default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"
     )

@@ -1,30 +1,37 @@
-"""``disagg launch``: cluster config -> engines -> per-rank node configs -> ``mpirun`` MPMD -> supervision.
+"""``disagg launch``: cluster config -> engines -> per-rank node configs -> one ``mpirun`` per group -> supervision.
 
 ``Launch.prepare`` builds missing engines, gives every group leader its ports (decode group 0
 takes the configured client-facing ports), writes one node config per rank, the Triton backend
-directory, a hostfile when hosts are listed, and ``launch.sh``: the exact ``mpirun`` command,
-runnable (and editable) by hand. ``Launch.start`` runs that script; ``wait_ready`` waits until
-every leader answers ``/v2/health/ready``; ``supervise`` watches every process of the run and,
-when one dies, names its rank, stops the rest, and returns. ``stop`` is the clean shutdown
-(SIGTERM to ``mpirun``, then SIGKILL to anything of this run still alive, found by the run id
-that every rank inherits in its environment).
+directory, a hostfile when hosts are listed, one script per group (``<group>.sh``: the exact
+``mpirun`` command of that group's ranks) and ``launch.sh``, which starts them all; every script
+is runnable (and editable) by hand. Groups find each other through the registry in the run
+directory (``serving/registry.py``). ``Launch.start`` starts every group's job; ``wait_ready``
+waits until every leader answers ``/v2/health/ready``; ``supervise`` watches every process of
+the run and, when a rank dies, names it, withdraws its group from the registry (the other groups
+stop routing to it and move its requests), stops the rest of that group's job and restarts the
+group after a back-off (``restart:``), at most ``max_restarts`` times; the deployment stops only
+when a role has no group left or the router died. ``stop`` is the clean shutdown (SIGTERM to
+every job, then SIGKILL to anything of this run still alive, found by the run id that every rank
+inherits in its environment).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from builders import BuildOptions, build_engine
@@ -49,9 +56,12 @@ from orchestrator.triton import (
 )
 from serving.names import Model
 from serving.node_config import NodeConfig, RequestTimeouts
+from serving.registry import Registry
 from torch_engine.config import EngineConfig, EngineManifest, Role
 
 RUN_ID_ENV = "DISAGG_RUN_ID"
+GROUP_ENV = "DISAGG_GROUP"  # the group a process belongs to (its job)
+RANK_ENV = "DISAGG_RANK"  # its rank in the deployment (RankSlot.mpi_rank; each job's MPI ranks start at 0)
 
 
 class LaunchError(RuntimeError):
@@ -66,10 +76,43 @@ class Leader:
     address: str = "127.0.0.1"  # where its servers are reached
 
 
+class JobState(enum.IntEnum):
+    """A group's mpirun job: STARTING -> UP -> (a rank died) BACKING_OFF -> STARTING ... or FAILED."""
+
+    STARTING = 0  # started; its leader is not ready yet
+    UP = 1
+    BACKING_OFF = 2  # died; restarts at ``retry_at``
+    FAILED = 3  # died with no restart left
+
+
+@dataclass(slots=True)
+class GroupJob:
+    name: str  # prefill0, decode1, ...
+    role: Role
+    group: int
+    slots: list[RankSlot]
+    script: Path
+    command: list[str] = field(default_factory=list)
+    generation: int = 0  # restarts so far
+    state: JobState = JobState.STARTING
+    proc: subprocess.Popen[bytes] | None = None
+    pids: dict[int, int] = field(default_factory=dict)  # watched processes once up: pid -> deployment rank
+    retry_at: float = 0.0
+    ready_by: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.script.with_suffix(".log")
+
+    @property
+    def leader(self) -> RankSlot:
+        return self.slots[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     script: Path
-    command: list[str]
+    commands: dict[str, list[str]]  # each group's mpirun command
     leaders: list[Leader]
     slots: list[RankSlot]
     run_dir: Path
@@ -158,9 +201,10 @@ class Launch:
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.run_dir).resolve()
         self.run_id = uuid.uuid4().hex[:12]
-        self.proc: subprocess.Popen[bytes] | None = None
         self.prepared: Prepared | None = None
-        self._watched: dict[int, int] = {}  # pid -> MPI rank
+        self.jobs: dict[str, GroupJob] = {}  # by group name, in rank order
+        self.running = False
+        self.events: list[str] = []  # what supervision saw and did (also in run_dir/supervisor.log)
         self.router: RouterProcess | None = None
         # the deployment's secret for Triton's restricted protocols (run_dir/secret, mode 0600)
         self.auth_key: str | None = secrets.token_urlsafe(24) if cfg.restricted else None
@@ -182,48 +226,81 @@ class Launch:
             log.warning("bind 0.0.0.0: every server listens on every interface (the config says so)")
         slots = cfg.rank_map()
         leader_slots = [s for s in slots if s.is_leader]
-        ports = dict(zip([s.mpi_rank for s in leader_slots], _ports(cfg, leader_slots), strict=True))
-        leaders: list[Leader] = []
-        apps: list[list[str]] = []
-        env = self._environment(install)
+        self._ports = dict(zip([s.mpi_rank for s in leader_slots], _ports(cfg, leader_slots), strict=True))
+        self._dirs, self._install, self._backends = dirs, install, backends
+        registry = self.run_dir / "registry"
+        shutil.rmtree(registry, ignore_errors=True)  # a previous run's records
+        registry.mkdir()
+        self.jobs = {}
         for slot in slots:
-            node_path = self._write_node(slot, dirs[slot.role], ports.get(slot.mpi_rank))
+            name = slot.name.split(".")[0]
+            if name not in self.jobs:
+                self.jobs[name] = GroupJob(name, slot.role, slot.group, [], self.run_dir / f"{name}.sh")
+            self.jobs[name].slots.append(slot)
+        for job in self.jobs.values():
+            self._render_group(job)
+        leaders = [
+            Leader(s, self._ports[s.mpi_rank], self._models(s, dirs[s.role]), address(cfg, s)) for s in leader_slots
+        ]
+        script = self.run_dir / "launch.sh"
+        starts = "".join(f"sh {shlex.quote(str(j.script))} &\n" for j in self.jobs.values())
+        script.write_text(
+            "#!/bin/sh\n# Rendered by `disagg launch` from the cluster config: every group's mpirun job (one\n"
+            "# script per group, each runnable on its own); run or adapt it by hand.\n"
+            f"# Ranks: {', '.join(s.describe() for s in slots)}\n{starts}wait\n",
+            encoding="utf-8",
+        )
+        script.chmod(0o700 if self.auth_key is not None else 0o755)
+        self.router = self._router(leaders, dirs[cfg.serving_role()])
+        router_url = f"{self.router.url}/v1" if self.router is not None else None
+        commands = {name: job.command for name, job in self.jobs.items()}
+        self.prepared = Prepared(script, commands, leaders, slots, self.run_dir, router_url)
+        endpoints = self.prepared.endpoints() | {"bind": self.cfg.bind}
+        (self.run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2), encoding="utf-8")
+        return self.prepared
+
+    def _render_group(self, job: GroupJob) -> None:
+        """The group's node configs (its generation in them) and its script: one mpirun job."""
+        cfg, install = self.cfg, self._install
+        apps: list[list[str]] = []
+        env = self._environment(install) | {GROUP_ENV: job.name}
+        for slot in job.slots:
+            engine_dir = self._dirs[slot.role]
+            node_path = self._write_node(slot, engine_dir, self._ports.get(slot.mpi_rank), job.generation)
             pin = ["taskset", "-c", str(slot.core)] if slot.core is not None else []
             gpu = [f"CUDA_VISIBLE_DEVICES={slot.gpu}"] if slot.gpu is not None else []
             if slot.is_leader:
-                models = self._models(slot, dirs[slot.role])
-                leaders.append(Leader(slot, ports[slot.mpi_rank], models, address(cfg, slot)))
+                models = self._models(slot, engine_dir)
                 log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
                 argv = triton_command(
-                    install, REPO_ROOT / "model_repo", backends, bind_address(cfg, slot), ports[slot.mpi_rank], models,
-                    shm_prefix(f"{self.run_id}_{slot.name.replace('.', '_')}"), log_file, self._restriction(slot),
+                    install, REPO_ROOT / "model_repo", self._backends, bind_address(cfg, slot),
+                    self._ports[slot.mpi_rank], models, shm_prefix(self._shm_owner(slot, job.generation)), log_file,
+                    self._restriction(slot),
                 )  # fmt: skip
             else:
                 argv = [sys.executable, "-m", "serving.worker", str(node_path)]
             where = ["--host", slot.host.name] if slot.host is not None else []
             if slot.host is not None and slot.host.workdir is not None:
                 where += ["--wdir", str(slot.host.workdir)]
-            apps.append(["-n", "1", *where, "env", f"{NODE_CONFIG_ENV}={node_path}", *gpu, *pin, *argv])
+            marks = [f"{NODE_CONFIG_ENV}={node_path}", f"{RANK_ENV}={slot.mpi_rank}"]
+            apps.append(["-n", "1", *where, "env", *marks, *gpu, *pin, *argv])
         command = [str(Path(sys.executable).parent / "mpirun"), *self._mpi_flags(env)]
         for i, app in enumerate(apps):
             command += ([":"] if i else []) + app
-        script = self.run_dir / "launch.sh"
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
         head = shlex.join(command[: len(command) - sum(len(a) for a in apps) - (len(apps) - 1)])
         body = head + "".join(f" \\\n  {': ' if i else ''}{shlex.join(app)}" for i, app in enumerate(apps))
-        script.write_text(
-            "#!/bin/sh\n# Rendered by `disagg launch` from the cluster config; run or adapt it by hand.\n"
-            f"# Ranks: {', '.join(s.describe() for s in slots)}\n"
+        job.script.write_text(
+            f"#!/bin/sh\n# {job.name} (generation {job.generation}), rendered by `disagg launch`; runnable by hand.\n"
+            f"# Ranks: {', '.join(s.describe() for s in job.slots)}\n"
             f"cd {shlex.quote(str(REPO_ROOT))}\n{exports}exec {body}\n",
             encoding="utf-8",
         )
-        script.chmod(0o700 if self.auth_key is not None else 0o755)  # with the secret in it: the owner only
-        self.router = self._router(leaders, dirs[cfg.serving_role()])
-        router_url = f"{self.router.url}/v1" if self.router is not None else None
-        self.prepared = Prepared(script, command, leaders, slots, self.run_dir, router_url)
-        endpoints = self.prepared.endpoints() | {"bind": self.cfg.bind}
-        (self.run_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2), encoding="utf-8")
-        return self.prepared
+        job.script.chmod(0o700 if self.auth_key is not None else 0o755)  # with the secret in it: the owner only
+        job.command = command
+
+    def _shm_owner(self, slot: RankSlot, generation: int) -> str:
+        return f"{self.run_id}_{slot.name.replace('.', '_')}_g{generation}"
 
     def _router(self, leaders: list[Leader], engine_dir: Path) -> RouterProcess | None:
         """The router over every decode group (needs the serving engine's tokenizer; none without one)."""
@@ -284,7 +361,7 @@ class Launch:
         protocols = ("model-repository", "inference") if slot.role is Role.PREFILL else ("model-repository",)
         return Restriction(protocols, self.auth_key)
 
-    def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None) -> Path:
+    def _write_node(self, slot: RankSlot, engine_dir: Path, ports: Ports | None, generation: int) -> Path:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)
         engine: dict[str, object] = {
             "engine_dir": engine_dir,
@@ -302,7 +379,7 @@ class Launch:
             transport=cfg.transport,
             limits=cfg.limits,
             timeouts=RequestTimeouts.model_validate(cfg.timeouts.model_dump(include=set(RequestTimeouts.model_fields))),
-            agent_name=f"{self.run_id}-{slot.name}",
+            agent_name=f"{self.run_id}-{slot.name}-g{generation}",  # a restarted group's agents are new peers
             role=slot.role,
             group=slot.group,
             tp_rank=slot.tp_rank,
@@ -312,10 +389,21 @@ class Launch:
             grpc_url=f"{address(cfg, slot)}:{ports.grpc}" if ports is not None else None,
             trace_path=self.run_dir / "traces" / f"{slot.name}.jsonl" if slot.is_leader else None,
             auth_key=self.auth_key,
+            registry=self.run_dir / "registry",
+            generation=generation,
+            peer_groups=self._peer_groups(slot.role),
+            startup_s=cfg.timeouts.startup_s,
         )
         path = self.run_dir / "nodes" / f"{slot.name}.yaml"
         node.dump(path)
         return path
+
+    def _peer_groups(self, role: Role) -> list[tuple[Role, int]]:
+        """The groups a rank of ``role`` reaches: prefill ranks every decode group and vice versa."""
+        if role is Role.COLOCATED:
+            return []
+        other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        return [(other, g) for g in range(self.cfg.spec(other).count)]
 
     # -- running -------------------------------------------------------------------------
     def start(self) -> None:
@@ -327,32 +415,51 @@ class Launch:
                     raise LaunchError(f"{ld.slot.describe()}: {name} port {here}:{port} is already in use")
         if self.router is not None and not port_free(self.cfg.bind, self.cfg.router.port):
             raise LaunchError(f"the router's port {self.cfg.bind}:{self.cfg.router.port} is already in use")
-        log = (self.run_dir / "mpirun.log").open("wb")
-        self.proc = subprocess.Popen(
-            ["sh", str(prepared.script)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl before exec; mpirun dies with the launcher
-        )
+        self.running = True
+        for job in self.jobs.values():
+            self._start_job(job)
         if self.router is not None:
             self.router.start(_die_with_parent)
 
+    def _start_job(self, job: GroupJob) -> None:
+        with job.log.open("ab") as out:  # a restarted group's output follows the previous one's
+            job.proc = subprocess.Popen(
+                ["sh", str(job.script)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl before exec; mpirun dies with the launcher
+            )
+        job.state, job.pids = JobState.STARTING, {}
+        job.ready_by = time.monotonic() + self.cfg.timeouts.startup_s
+
+    def _leader_ready(self, job: GroupJob) -> bool:
+        ports = self._ports[job.leader.mpi_rank]
+        return http_ready(address(self.cfg, job.leader), ports.http)
+
     def wait_ready(self) -> None:
         """Until every leader is ready; a rank that dies first, or the startup timeout, is an error."""
-        assert self.prepared is not None and self.proc is not None
+        assert self.prepared is not None and self.running
         deadline = time.monotonic() + self.cfg.timeouts.startup_s
-        pending = list(self.prepared.leaders)
+        pending = list(self.jobs.values())
         while pending:
-            if self.proc.poll() is not None:
-                raise LaunchError(f"the deployment exited during start-up:\n{self.failure_report()}")
+            for job in pending:
+                if job.proc is not None and job.proc.poll() is not None:
+                    raise LaunchError(f"{job.name} exited during start-up:\n{self.failure_report(job)}")
             if time.monotonic() > deadline:
+                report = "\n".join(self.failure_report(j) for j in pending)
                 self.stop()
-                raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{self.failure_report()}")
-            pending = [ld for ld in pending if not http_ready(address(self.cfg, ld.slot), ld.ports.http)]
+                raise LaunchError(f"not ready after {self.cfg.timeouts.startup_s:.0f} s:\n{report}")
+            pending = [j for j in pending if not self._leader_ready(j)]
             time.sleep(0.25)
         self._wait_router(deadline)
-        self._watched = run_processes(self.run_id)
+        alive = run_processes(self.run_id)
+        for job in self.jobs.values():
+            job.state, job.pids = JobState.UP, self._pids_of(job, alive)
+
+    def _pids_of(self, job: GroupJob, alive: dict[int, int]) -> dict[int, int]:
+        ranks = {s.mpi_rank for s in job.slots}
+        return {pid: rank for pid, rank in alive.items() if rank in ranks}
 
     def _wait_router(self, deadline: float) -> None:
         router = self.router
@@ -365,56 +472,128 @@ class Launch:
             time.sleep(0.25)
 
     def supervise(self, poll_s: float = 0.5) -> str | None:
-        """Block until a watched process dies (returns the message naming its rank) or ``stop``."""
-        assert self.proc is not None
-        while self.proc is not None:
-            if self.router is not None and (code := self.router.exited()) is not None:
-                message = f"deployment stopped: the router exited with code {code}\n{self.router.log_tail()}"
-                self.stop()
-                return message
-            dead = self.dead_ranks()
-            if dead or self.proc.poll() is not None:
-                message = self._death_message(dead)
+        """Watch the groups until ``stop``: restart a group whose rank died (``check``). Returns the
+        reason when the deployment had to stop (a role with no group left, the router gone)."""
+        while self.running:
+            message = self.check()
+            if message is not None:
                 self.stop()
                 return message
             time.sleep(poll_s)
         return None
 
+    def check(self) -> str | None:
+        """One supervision pass: notice deaths, restart due groups, mark restarted groups up.
+        Returns the reason the deployment cannot go on, if it cannot."""
+        if self.router is not None and (code := self.router.exited()) is not None:
+            return f"deployment stopped: the router exited with code {code}\n{self.router.log_tail()}"
+        local = not self.cfg.multi_host  # other hosts' ranks: mpirun's own report (its job ends)
+        alive = run_processes(self.run_id) if local else {}
+        now = time.monotonic()
+        for job in self.jobs.values():
+            exited = job.proc is not None and job.proc.poll() is not None
+            if job.state is JobState.UP:
+                dead = [(pid, rank) for pid, rank in job.pids.items() if pid not in alive] if local else []
+                if dead or exited:
+                    self._group_died(job, self._death_message(job, dead))
+            elif job.state is JobState.STARTING:
+                if exited:
+                    self._group_died(job, f"{job.name} exited while restarting\n{self.failure_report(job)}")
+                elif self._leader_ready(job):
+                    job.state, job.pids = JobState.UP, self._pids_of(job, run_processes(self.run_id))
+                    self._event(f"{job.name} restarted (generation {job.generation}) and serves again")
+                elif now > job.ready_by:
+                    self._group_died(job, f"{job.name} not ready {self.cfg.timeouts.startup_s:.0f} s after a restart")
+            elif job.state is JobState.BACKING_OFF and now >= job.retry_at:
+                self._restart(job)
+        for role in {j.role for j in self.jobs.values()}:
+            if all(j.state is JobState.FAILED for j in self.jobs.values() if j.role is role):
+                return f"deployment stopped: every {role.value} group failed for good\n" + "\n".join(self.events[-5:])
+        return None
+
+    def _group_died(self, job: GroupJob, message: str) -> None:
+        """Withdraw the group (its peers stop routing to it and move its requests), end its job, and
+        schedule its restart or give up on it."""
+        self._event(message)
+        Registry(self.run_dir / "registry").withdraw(job.role, job.group)
+        self._end_job(job)
+        spec = self.cfg.restart
+        if job.generation >= spec.max_restarts:
+            job.state = JobState.FAILED
+            self._event(f"{job.name} stays down: {spec.max_restarts} restarts used")
+            return
+        wait = min(spec.backoff_s * 2**job.generation, spec.max_backoff_s)
+        job.state, job.retry_at = JobState.BACKING_OFF, time.monotonic() + wait
+        self._event(f"restarting {job.name} in {wait:.1f} s (restart {job.generation + 1} of {spec.max_restarts})")
+
+    def _restart(self, job: GroupJob) -> None:
+        job.generation += 1
+        self._render_group(job)
+        self._start_job(job)
+        self._event(f"{job.name} started again (generation {job.generation})")
+
+    def _end_job(self, job: GroupJob) -> None:
+        """SIGTERM to the group's mpirun (it takes its ranks down), then SIGKILL to what is left of it."""
+        if job.proc is not None:
+            stop_group(job.proc, self.cfg.timeouts.shutdown_s)
+        deadline = time.monotonic() + self.cfg.timeouts.shutdown_s / 2
+        while run_processes(self.run_id, job.name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in run_processes(self.run_id, job.name):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for slot in job.slots:
+            remove_shm(shm_prefix(self._shm_owner(slot, job.generation)))
+        job.pids = {}
+
+    def _event(self, message: str) -> None:
+        log.warning("%s", message)
+        self.events.append(message)
+        with (self.run_dir / "supervisor.log").open("a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}\n")
+
     def dead_ranks(self) -> list[tuple[int, int]]:
-        """(pid, MPI rank) of processes of this run that were up at readiness and are gone now (ranks
-        on this machine only: across hosts mpirun's own failure report and the leaders' health say it)."""
+        """(pid, deployment rank) of processes of running groups that are gone (ranks on this machine
+        only: across hosts mpirun's own failure report says it)."""
         if self.cfg.multi_host:
             return []
         alive = run_processes(self.run_id)
-        return [(pid, rank) for pid, rank in self._watched.items() if pid not in alive]
+        up = [j for j in self.jobs.values() if j.state is JobState.UP]
+        return [(p, r) for j in up for p, r in j.pids.items() if p not in alive]
 
-    def _death_message(self, dead: list[tuple[int, int]]) -> str:
-        assert self.prepared is not None
-        by_rank = {s.mpi_rank: s for s in self.prepared.slots}
+    def _death_message(self, job: GroupJob, dead: list[tuple[int, int]]) -> str:
+        by_rank = {s.mpi_rank: s for s in job.slots}
+        report = self.failure_report(job)
         if dead:
             names = sorted({by_rank[r].describe() for _, r in dead if r in by_rank})
             pids = ", ".join(str(p) for p, _ in dead)
-            return f"deployment stopped: {'; '.join(names)} died (pid {pids})\n{self.failure_report()}"
-        report = self.failure_report()
-        found = PRRTE_DEATH.search(" ".join(report.split()))  # mpirun's own notice, wherever the rank ran
-        if found is not None and int(found["rank"]) in by_rank:
-            slot, how = by_rank[int(found["rank"])], found["how"]
-            return f"deployment stopped: {slot.describe()} died ({how}, pid {found['pid']})\n{report}"
-        return f"deployment stopped: mpirun exited\n{report}"
+            return f"{'; '.join(names)} died (pid {pids})\n{report}"
+        raw = job.log.read_text(encoding="utf-8", errors="replace")[-20000:] if job.log.exists() else ""
+        notices = list(PRRTE_DEATH.finditer(" ".join(raw.split())))  # mpirun's own, wherever the rank ran
+        found = notices[-1] if notices else None  # the last: this death's (the log spans restarts)
+        if found is not None and int(found["rank"]) < len(job.slots):
+            slot, how = job.slots[int(found["rank"])], found["how"]  # the job's MPI rank = TP rank
+            return f"{slot.describe()} died ({how}, pid {found['pid']})\n{report}"
+        return f"{job.name}'s mpirun exited\n{report}"
 
-    def failure_report(self, lines: int = 25) -> str:
-        log = self.run_dir / "mpirun.log"
-        text = log.read_text(encoding="utf-8", errors="replace").splitlines() if log.exists() else []
-        return "\n".join(text[-lines:])
+    def failure_report(self, job: GroupJob | None = None, lines: int = 25) -> str:
+        """The last lines of a group's mpirun output (every group's when ``job`` is None)."""
+        out = []
+        for j in [job] if job is not None else list(self.jobs.values()):
+            text = j.log.read_text(encoding="utf-8", errors="replace").splitlines() if j.log.exists() else []
+            out += [f"[{j.name}] {line}" for line in text[-lines:]]
+        return "\n".join(out)
 
     def stop(self) -> int | None:
-        """SIGTERM to mpirun (it takes its ranks down), then SIGKILL to any process of this run left."""
+        """SIGTERM to every group's mpirun (each takes its ranks down), then SIGKILL to any process of
+        this run left. Returns the worst exit code of the jobs (None when nothing ran)."""
         grace = self.cfg.timeouts.shutdown_s
         if self.router is not None:
             self.router.stop(grace)
-        if self.proc is None:
+        if not self.running:
             return None
-        stop_group(self.proc, grace)
+        self.running = False
+        codes = [stop_group(j.proc, grace) for j in self.jobs.values() if j.proc is not None]
         deadline = time.monotonic() + grace / 2
         while run_processes(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -422,8 +601,9 @@ class Launch:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         remove_shm(shm_prefix(self.run_id))  # what killed Python-backend stubs left in /dev/shm
-        code, self.proc = self.proc.returncode, None
-        return code
+        for j in self.jobs.values():
+            j.proc = None
+        return max(codes, key=abs) if codes else None
 
 
 def _die_with_parent() -> None:
@@ -434,10 +614,12 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
-def run_processes(run_id: str) -> dict[int, int]:
-    """pid -> MPI rank of every process on this host whose environment carries this run id."""
+def run_processes(run_id: str, group: str | None = None) -> dict[int, int]:
+    """pid -> deployment rank of every rank process on this host whose environment carries this run
+    id (and ``group``'s name, when given)."""
     found: dict[int, int] = {}
     marker = f"{RUN_ID_ENV}={run_id}".encode()
+    in_group = f"{GROUP_ENV}={group}".encode() if group is not None else None
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -448,7 +630,9 @@ def run_processes(run_id: str) -> dict[int, int]:
             continue
         if marker not in env or stat.rsplit(")", 1)[-1].split()[0] == "Z":
             continue
-        rank = next((v for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if in_group is not None and in_group not in env:
+            continue
+        rank = next((v for v in env if v.startswith(f"{RANK_ENV}=".encode())), None)
         if rank is not None:
             found[int(entry.name)] = int(rank.split(b"=", 1)[1])
     return found

@@ -1,15 +1,20 @@
-"""One MPI rank of a deployment coming up: TP rendezvous, engine, messenger side, peer exchange.
+"""One MPI rank of a deployment coming up: TP rendezvous, engine, messenger side, membership.
 
-Every rank (a group leader inside its Triton stub, or a follower worker) calls ``bootstrap``:
+Each group is its own ``mpirun`` job (``MPI.COMM_WORLD`` is the group); every rank (a group leader
+inside its Triton stub, or a follower worker) calls ``bootstrap``:
 
-1. ``allgather`` #1 over ``MPI.COMM_WORLD``: who is where; each TP leader announces a free port
-   on its host, and its group joins ``torch.distributed`` (gloo) there.
+1. ``allgather`` #1 over the group: who is where; a TP leader announces a free port on its host,
+   and its group joins ``torch.distributed`` (gloo / NCCL) there.
 2. The engine (this rank's shard) and this rank's messenger side with its own NIXL agent.
-3. ``allgather`` #2: every rank's ``RankEndpoint`` (NIXL agent metadata, KV pool addresses) and
-   every leader's Triton gRPC endpoint. Prefill ranks connect to every decode rank and decode
-   ranks to every prefill rank, so any decode group can use any prefill group.
+3. ``allgather`` #2 over the group: every rank's ``RankEndpoint`` (NIXL agent metadata, KV pool
+   addresses) and the leader's Triton gRPC endpoint; the leader publishes the group's record in
+   the deployment's registry (``serving/registry.py``).
+4. Every rank waits for the records of the groups it must reach (``NodeConfig.peer_groups``):
+   prefill ranks connect to every decode rank and decode ranks to every prefill rank, so any
+   decode group can use any prefill group. Later arrivals (a restarted group) are connected by the
+   running leaders (``Membership``).
 
-MPI is used for these two exchanges only; nothing else rides on it.
+MPI is used for these two group-local exchanges only; nothing else rides on it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from serving.kv_links import engine_layout, metadata_bytes
 from serving.node_config import NodeConfig
 from serving.ports import free_port
 from serving.prefill_client import PrefillGroup
+from serving.registry import GroupKey, GroupRecord, Member, Membership, Registry
 from serving.tp_group import GroupChannel, GroupDecodeSide, GroupPrefillSide
 from torch_engine.config import Role
 from torch_engine.engine import LLMEngine
@@ -39,11 +45,10 @@ log = logging.getLogger(__name__)
 
 
 class Announcement(BaseModel):
-    """What one rank tells every other at start-up (over MPI allgather)."""
+    """What one rank tells the others of its group at start-up (over MPI allgather)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     version: int = PROTOCOL_VERSION
-    mpi_rank: int
     role: Role
     group: int
     tp_rank: int
@@ -59,24 +64,19 @@ class Rank:
     engine: LLMEngine
     channel: GroupChannel | None  # leaders
     local_side: PrefillSide | DecodeSide | None
-    peers: list[Announcement]
+    groups: dict[GroupKey, GroupRecord]  # every group up at start-up, this one included
+    registry: Registry
 
     def prefill_groups(self) -> list[PrefillGroup]:
-        groups: dict[int, list[Announcement]] = {}
-        for a in self.peers:
-            if a.role is Role.PREFILL:
-                groups.setdefault(a.group, []).append(a)
-        out = []
-        for g, members in sorted(groups.items()):
-            members.sort(key=lambda a: a.tp_rank)
-            leader = members[0]
-            assert leader.grpc_url is not None and all(m.endpoint is not None for m in members)
-            out.append(PrefillGroup(g, leader.grpc_url, [m.endpoint.agent for m in members if m.endpoint]))
-        return out
+        found = [r for k, r in self.groups.items() if k[0] is Role.PREFILL]
+        return [PrefillGroup.of(r) for r in sorted(found, key=lambda r: r.group)]
 
     def group_agents(self) -> list[str]:
-        mine = [a for a in self.peers if a.role is self.node.role and a.group == self.node.group]
-        return [a.endpoint.agent for a in sorted(mine, key=lambda a: a.tp_rank) if a.endpoint is not None]
+        return self.groups[(self.node.role, self.node.group)].agents
+
+    def membership(self, role: Role) -> Membership:
+        """The running view of ``role``'s groups, starting from those up at start-up."""
+        return Membership(self.registry, role, self.groups.values())
 
     def prefill_side(self) -> GroupPrefillSide:
         assert isinstance(self.local_side, PrefillSide) and self.channel is not None
@@ -91,32 +91,36 @@ def bootstrap(node: NodeConfig) -> Rank:
     from mpi4py import MPI  # only ranks of an mpirun deployment get here
 
     comm = MPI.COMM_WORLD
-    if node.mpi_rank is not None and comm.Get_rank() != node.mpi_rank:
+    if comm.Get_size() != node.tp_size or comm.Get_rank() != node.tp_rank:
         raise RuntimeError(
-            f"this process is MPI rank {comm.Get_rank()}, but its node config is for rank {node.mpi_rank}: "
-            "the mpirun command and the rendered configs disagree"
+            f"this process is rank {comm.Get_rank()} of {comm.Get_size()} in its mpirun job, but its node config "
+            f"is for TP rank {node.tp_rank} of {node.tp_size}: the mpirun command and the rendered configs disagree"
         )
+    if node.registry is None:
+        raise RuntimeError("a deployment's node config names its registry (the launcher renders it)")
+    registry = Registry(node.registry)
     leader = node.tp_rank == 0
     port = free_port(node.host) if leader and node.tp_size > 1 else 0
-    me = Announcement(
-        mpi_rank=comm.Get_rank(), role=node.role, group=node.group, tp_rank=node.tp_rank, host=node.host, tp_port=port
-    )
+    me = Announcement(role=node.role, group=node.group, tp_rank=node.tp_rank, host=node.host, tp_port=port)
     first = [Announcement.model_validate_json(s) for s in comm.allgather(me.model_dump_json())]
     engine = LLMEngine(node.engine, tp=_tp_group(node, first), load_tokenizer=leader and node.role is not Role.PREFILL)
     side = _messenger_side(node, engine)
     endpoint = side.endpoint() if side is not None else None
     me = me.model_copy(update={"grpc_url": node.grpc_url if leader else None, "endpoint": endpoint})
-    peers = [Announcement.model_validate_json(s) for s in comm.allgather(me.model_dump_json())]
-    for a in peers:
-        if a.version != PROTOCOL_VERSION:
-            raise RuntimeError(f"MPI rank {a.mpi_rank} speaks protocol {a.version}, this rank {PROTOCOL_VERSION}")
+    mine = [Announcement.model_validate_json(s) for s in comm.allgather(me.model_dump_json())]
+    members = [Member(tp_rank=a.tp_rank, host=a.host, grpc_url=a.grpc_url, endpoint=a.endpoint) for a in mine]
+    own = GroupRecord(role=node.role, group=node.group, generation=node.generation, members=members)
+    if leader:
+        registry.publish(own)
+    groups = registry.wait(node.peer_groups, node.startup_s) if node.peer_groups else {}
+    groups[own.key] = own
     if isinstance(side, PrefillSide):
-        side.connect([a.endpoint for a in peers if a.role is Role.DECODE and a.endpoint is not None])
+        side.connect([ep for k, r in groups.items() if k[0] is Role.DECODE for ep in r.endpoints])
     elif isinstance(side, DecodeSide):
-        side.connect([a.endpoint for a in peers if a.role is Role.PREFILL and a.endpoint is not None])
-    log.info("rank %d (%s group %d tp %d) up", comm.Get_rank(), node.role.value, node.group, node.tp_rank)
+        side.connect([ep for k, r in groups.items() if k[0] is Role.PREFILL for ep in r.endpoints])
+    log.info("%s group %d tp %d (generation %d) up", node.role.value, node.group, node.tp_rank, node.generation)
     channel = GroupChannel(engine, on_steps=side is not None) if leader else None
-    return Rank(node, engine, channel, side, peers)
+    return Rank(node, engine, channel, side, groups, registry)
 
 
 def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:

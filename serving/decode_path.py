@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from kv_messenger.protocol import PrefillRequest
 from serving.kv_links import DecodeLink
 from serving.prefill_client import Caller, CallerFactory, Delivery, PrefillCaller, PrefillGroup, Reply
+from serving.registry import Membership
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupDecodeSide
 from serving.trace import Tracer
@@ -61,9 +62,11 @@ class KVFetcher:
         tracer: Tracer | None = None,
         caller: CallerFactory | None = None,
         auth_key: str | None = None,
+        membership: Membership | None = None,
     ) -> None:
         if not groups:
             raise ValueError("a disaggregated decode node needs at least one prefill group")
+        self.membership = membership  # prefill groups dying and coming back (a deployment's registry)
         self.engine = engine
         self.link = DecodeLink(engine, side, timeout_s=kv_timeout_s)
         self.groups = groups
@@ -71,9 +74,12 @@ class KVFetcher:
         self.tracer = tracer
         self._replies: queue.Queue[Reply] = queue.Queue()
         if caller is None:
-            self.callers: list[Caller] = [PrefillCaller(g, call_timeout_s, self._replies, auth_key) for g in groups]
-        else:
-            self.callers = [caller(g, call_timeout_s, self._replies) for g in groups]
+
+            def caller(g: PrefillGroup, timeout_s: float, replies: queue.Queue[Reply]) -> Caller:
+                return PrefillCaller(g, timeout_s, replies, auth_key)
+
+        self._caller, self._call_timeout_s = caller, call_timeout_s
+        self.callers = [caller(g, call_timeout_s, self._replies) for g in groups]
         self._pending: dict[str, _Pending] = {}
         self._queued: deque[_Queued] = deque()  # admitted, waiting for free pages to reserve
 
@@ -105,7 +111,8 @@ class KVFetcher:
         self._send(g, req)
 
     def tick(self) -> list[tuple[str, str]]:
-        failures = self._replies_in()
+        failures = self._membership() if self.membership is not None else []
+        failures += self._replies_in()
         while self._queued and self.engine.can_reserve(len(self._queued[0].prompt_ids) - 1):
             q = self._queued.popleft()
             try:
@@ -186,29 +193,64 @@ class KVFetcher:
             else:
                 self.router.failed(r.group, r.request_id)
             maybe_taken = r.delivery is Delivery.UNKNOWN
-            try:
-                g = self.router.pick(exclude=p.tried)
-            except NoPrefillGroup:
-                error = f"request {r.request_id}: no prefill group could take it (last error: {r.error})"
-                self._pending.pop(r.request_id)
-                if maybe_taken:
-                    self.link.fail(r.request_id, error)  # pages back once no write can land
-                else:
-                    self.link.fail_undelivered(r.request_id, error)
-                failures.append((r.request_id, error))
-                continue
-            p.group = g
-            p.tried.add(g)
-            agents = self.groups[g].agents
+            failures += self._move(r.request_id, p, r.error, maybe_taken)
+
+    def _move(self, rid: str, p: _Pending, error: str, maybe_taken: bool) -> list[tuple[str, str]]:
+        """Send a request whose group failed it to another group (same pages when the first never
+        took it; fresh pages, or the same once the fence lifts, when it may have); fail it when no
+        group is left. Returns the failure, if any."""
+        try:
+            g = self.router.pick(exclude=p.tried)
+        except NoPrefillGroup:
+            message = f"request {rid}: no prefill group could take it (last error: {error})"
+            self._pending.pop(rid)
             if maybe_taken:
-                moved = self.link.failover(r.request_id, agents)  # None: waits for the fence (or landed)
-                if moved is not None:
-                    p.epoch = moved.epoch
-                    self._send(g, moved)
+                self.link.fail(rid, message)  # pages back once no write can land
             else:
-                req = self.link.retarget(r.request_id, agents)
-                p.epoch = req.epoch
-                self._send(g, req)
+                self.link.fail_undelivered(rid, message)
+            return [(rid, message)]
+        p.group = g
+        p.tried.add(g)
+        agents = self.groups[g].agents
+        if maybe_taken:
+            moved = self.link.failover(rid, agents)  # None: waits for the fence (or landed)
+            if moved is not None:
+                p.epoch = moved.epoch
+                self._send(g, moved)
+        else:
+            req = self.link.retarget(rid, agents)
+            p.epoch = req.epoch
+            self._send(g, req)
+        return []
+
+    def _membership(self) -> list[tuple[str, str]]:
+        """Prefill groups that died leave routing, and the requests they held move on (their epoch
+        abandoned: the dead senders' pages are fenced); groups that came back (a new generation,
+        new agents) are connected and rejoin."""
+        assert self.membership is not None
+        change = self.membership.poll()
+        if change is None:
+            return []
+        failures: list[tuple[str, str]] = []
+        for _, g in change.left:
+            log.warning("prefill group %d left the deployment: its requests move to other groups", g)
+            self.router.leave(g)
+            for rid, p in list(self._pending.items()):
+                if p.group == g:
+                    self.router.finished(g, rid)
+                    failures += self._move(rid, p, f"prefill group {g} died", maybe_taken=True)
+        for record in change.joined:
+            g = record.group
+            if g >= len(self.groups):
+                log.warning("prefill group %d is not in this deployment's configuration: ignored", g)
+                continue
+            log.info("prefill group %d is up (generation %d): connecting", g, record.generation)
+            self.link.side.connect(record.endpoints)
+            self.groups[g] = PrefillGroup.of(record)
+            self.callers[g].close()
+            self.callers[g] = self._caller(self.groups[g], self._call_timeout_s, self._replies)
+            self.router.rejoin(g)
+        return failures
 
 
 def _seed(request_id: str) -> int:

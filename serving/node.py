@@ -2,7 +2,8 @@
 leaders) and by ``serving.worker`` (TP followers). No Triton import here.
 
 - standalone (no ``mpi_rank``): one engine, TP 1; a prefill node takes decode peers by handshake.
-- in a deployment: ``bootstrap.bootstrap`` (MPI exchange, TP group, messenger side), then
+- in a deployment: ``bootstrap.bootstrap`` (group-local MPI exchange, TP group, messenger side,
+  the registry's records), then
   decode leader -> ``DecodeLoop`` (+ ``KVFetcher`` when disaggregated); prefill leader ->
   ``PrefillLoop``; follower -> ``tp_group.run_follower``.
 """
@@ -46,7 +47,16 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
         side = rank.decode_side()
         groups = rank.prefill_groups()
         t = node.timeouts
-        kv = KVFetcher(rank.engine, side, groups, t.kv_transfer_s, t.prefill_request_s, tracer, auth_key=node.auth_key)
+        kv = KVFetcher(
+            rank.engine,
+            side,
+            groups,
+            t.kv_transfer_s,
+            t.prefill_request_s,
+            tracer,
+            auth_key=node.auth_key,
+            membership=rank.membership(Role.PREFILL),
+        )
     channel = rank.channel
 
     def on_exit() -> None:
@@ -69,7 +79,13 @@ def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None, on_report: R
     if tracer is not None:
         rank.engine.attach(TraceObserver(tracer))
     return PrefillLoop(
-        rank.engine, side, on_done=on_done, on_exit=rank.channel.stop, tracer=tracer, on_report=on_report
+        rank.engine,
+        side,
+        on_done=on_done,
+        on_exit=rank.channel.stop,
+        tracer=tracer,
+        on_report=on_report,
+        membership=rank.membership(Role.DECODE),
     )
 
 

@@ -70,6 +70,12 @@ class NodeConfig(_Frozen):
     grpc_url: str | None = None  # group leaders: their Triton gRPC endpoint, announced to the peers
     trace_path: Path | None = None  # JSONL of per-request server-side timestamps (benchmarks)
     auth_key: str | None = None  # the deployment's secret: sent (AUTH_HEADER) on calls to restricted protocols
+    # deployments: the membership registry (``serving/registry.py``), this group's restart count (its
+    # agents' names carry it), the groups this rank waits for at start-up, and how long it waits
+    registry: Path | None = None
+    generation: int = Field(default=0, ge=0)
+    peer_groups: list[tuple[Role, int]] = Field(default_factory=list)
+    startup_s: float = Field(default=300.0, gt=0)
 
     @classmethod
     def load(cls, path: str | Path) -> NodeConfig:

@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from kv_messenger.protocol import PrefillRequest
 from serving.names import Model, Tensor
 from serving.node_config import GRPC_AUTH_HEADER
+from serving.registry import GroupRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,12 @@ class PrefillGroup:
     group: int
     grpc_url: str
     agents: list[str]  # by TP rank
+
+    @classmethod
+    def of(cls, record: GroupRecord) -> PrefillGroup:
+        url = record.leader.grpc_url
+        assert url is not None, f"prefill group {record.group} published no gRPC endpoint"
+        return cls(record.group, url, record.agents)
 
 
 class Delivery(enum.IntEnum):

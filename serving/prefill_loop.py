@@ -22,6 +22,7 @@ from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import Transport
 from serving.kv_links import PrefillLink, engine_layout, metadata_bytes
 from serving.loop import LoopReport, ReportHook, ServingLoop
+from serving.registry import Membership
 from serving.tp_group import GroupChannel, GroupPrefillSide
 from serving.trace import Tracer
 from torch_engine.engine import LLMEngine
@@ -45,9 +46,11 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         on_exit: Callable[[], None] | None = None,
         tracer: Tracer | None = None,
         on_report: ReportHook | None = None,
+        membership: Membership | None = None,
     ) -> None:
         super().__init__(on_exit, on_report)
         self.engine = engine
+        self.membership = membership  # decode groups coming back (a deployment's registry): connect them
         self.on_done = on_done
         self.tracer = tracer
         self.side = side
@@ -133,6 +136,10 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         return self.idle_wait_s
 
     def _work(self) -> None:
+        change = self.membership.poll() if self.membership is not None else None
+        for record in change.joined if change is not None else []:
+            log.info("decode group %d is up (generation %d): connecting", record.group, record.generation)
+            self.side.connect(record.endpoints)  # every rank of this group (the next tick carries it)
         if self.engine.has_unfinished():
             self._stepped = True
             for out in self.link.step():

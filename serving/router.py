@@ -3,8 +3,9 @@
 A decode leader knows exactly what it sent itself and not yet got back (``own``), and learns the
 whole load of a group from each prefill response (``load_tokens``: every decoder's outstanding
 tokens there, this request included). The estimate of a group is its own part plus the others'
-part as of the last report; groups that failed a call sit out for ``cooldown_s``. Ties go to the
-lowest group index, so the choice is deterministic.
+part as of the last report; groups that failed a call sit out for ``cooldown_s``, groups that
+died (their registry record was withdrawn) until they ``rejoin``. Ties go to the lowest group
+index, so the choice is deterministic.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class _Group:
     own: int = 0  # tokens this decoder sent here that have not come back
     others: int = 0  # other decoders' outstanding tokens, as of the last report
     down_until: float = 0.0
+    gone: bool = False  # its record left the registry (the group died): out of rotation until it rejoins
     requests: dict[str, int] = field(default_factory=dict)
 
 
@@ -40,7 +42,7 @@ class Router:
 
     def pick(self, exclude: Set[int] = frozenset()) -> int:
         now = self.clock()
-        healthy = [i for i, g in enumerate(self._groups) if i not in exclude and g.down_until <= now]
+        healthy = [i for i, g in enumerate(self._groups) if i not in exclude and g.down_until <= now and not g.gone]
         if not healthy:
             tried = ", ".join(str(i) for i in sorted(exclude)) or "none"
             raise NoPrefillGroup(f"no prefill group can take the request (tried: {tried}; others down)")
@@ -60,6 +62,15 @@ class Router:
         """The request's KV arrived, or it failed: its tokens are no longer outstanding there."""
         g = self._groups[group]
         g.own -= g.requests.pop(request_id, 0)
+
+    def leave(self, group: int) -> None:
+        """The group died: no request goes there until ``rejoin``."""
+        self._groups[group].gone = True
+
+    def rejoin(self, group: int) -> None:
+        """The group is up again (a new generation): back in rotation, its old load forgotten."""
+        g = self._groups[group]
+        g.gone, g.down_until, g.others = False, 0.0, 0
 
     def failed(self, group: int, request_id: str) -> None:
         """A call to ``group`` failed: it sits out a while."""

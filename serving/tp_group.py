@@ -80,7 +80,14 @@ class ExpectCmd:
     timeout_s: float
 
 
-Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | AbandonCmd | ExpectCmd
+@dataclass(frozen=True, slots=True)
+class ConnectCmd:
+    """Ranks of a group that came up later (a restarted group): every rank connects its own side."""
+
+    endpoints: tuple[RankEndpoint, ...]
+
+
+Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | AbandonCmd | ExpectCmd | ConnectCmd
 
 
 @dataclass(slots=True)
@@ -164,6 +171,7 @@ class GroupPrefillSide:
 
     def connect(self, decode_ranks: Sequence[RankEndpoint]) -> None:
         self.local.connect(decode_ranks)
+        self.channel.send(ConnectCmd(tuple(decode_ranks)))
 
     def start(self) -> None:
         self.local.start()
@@ -253,6 +261,7 @@ class GroupDecodeSide:
 
     def connect(self, prefill_ranks: Sequence[RankEndpoint]) -> None:
         self.local.connect(prefill_ranks)
+        self.channel.send(ConnectCmd(tuple(prefill_ranks)))
 
     def meta_slot(self, slot: int) -> torch.Tensor:
         return self.local.meta_slot(slot)
@@ -364,6 +373,10 @@ def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> No
 
 
 def _apply(side: PrefillSide | DecodeSide | None, cmd: Command, report: RankReport) -> None:
+    if isinstance(cmd, ConnectCmd):
+        if side is not None:
+            side.connect(cmd.endpoints)
+        return
     if isinstance(side, PrefillSide):
         if isinstance(cmd, SubmitCmd):
             try:

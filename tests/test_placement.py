@@ -44,7 +44,7 @@ def test_ranks_go_where_the_config_says_and_advertise_their_hosts(tiny_engine_di
     ]  # fmt: skip
     launch = Launch(cfg)
     prepared = launch.prepare(progress=False)
-    script = prepared.script.read_text()
+    script = "".join(job.script.read_text() for job in launch.jobs.values())  # one mpirun job per group
     assert "--hostfile" in script
     assert (launch.run_dir / "hostfile").read_text().split("\n")[:3] == [
         "hostA slots=1",
@@ -91,7 +91,7 @@ def test_binding_every_interface_is_said_and_warned(tiny_engine_dir, tmp_path: P
     with caplog.at_level(logging.WARNING):
         prepared = launch.prepare(progress=False)
     assert "bind 0.0.0.0" in caplog.text
-    assert "--grpc-address=0.0.0.0" in prepared.script.read_text()
+    assert "--grpc-address=0.0.0.0" in "".join(job.script.read_text() for job in launch.jobs.values())
     assert all(ld.address == "127.0.0.1" for ld in prepared.leaders)  # advertised: a reachable address
     assert launch.auth_key is not None  # not loopback: locked down
 

@@ -118,7 +118,7 @@ def run_storm(url: str, jobs: list[tuple[str, list[int], int, float | None]], co
 
 
 def log_sizes(launch: Launch) -> dict[Path, int]:
-    files = [launch.run_dir / "mpirun.log", *sorted((launch.run_dir / "logs").glob("*.log"))]
+    files = [*sorted(launch.run_dir.glob("*.log")), *sorted((launch.run_dir / "logs").glob("*.log"))]
     return {f: f.stat().st_size for f in files if f.exists()}
 
 
@@ -219,6 +219,7 @@ def test_a_stuck_tp_rank_fails_its_group_instead_of_wedging_it(tiny_engine_dir, 
         page_size=4,
         scheduler=SCHED,
         timeouts={"startup_s": 240, "shutdown_s": 20, "tp_collective_s": 5},
+        restart={"max_restarts": 0},  # the group stays down: the deployment stops and says why
     )
     launch = Launch(cfg)
     launch.prepare(progress=False)
