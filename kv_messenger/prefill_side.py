@@ -31,6 +31,7 @@ and the request appears in ``completed()`` so the caller can free its source pag
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections import deque
@@ -45,6 +46,8 @@ from kv_messenger.layout import KVLayoutSpec, check_compatible
 from kv_messenger.protocol import Notification, NotifKind, PrefillRequest, RankEndpoint
 from kv_messenger.shard_plan import PageWrite, plan_writes
 from kv_messenger.transport.base import TransferState, Transport
+
+log = logging.getLogger(__name__)
 
 
 class ProgressSource(Protocol):
@@ -143,6 +146,7 @@ class PrefillSide:
         self.clock = clock
         self._tombstones: dict[tuple[str, int], float] = {}  # (request, epoch) aborted before it arrived -> expiry
         self.expired = 0  # jobs closed by their deadline
+        self.failure: str | None = None  # set when the messenger thread died (the node must not go on)
         self._done: deque[PrefillOutcome] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -298,6 +302,13 @@ class PrefillSide:
         return peers[0].layout.model_copy(update={"tp_size": len(req.decode_ranks)})
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a bug or a transport fault that is not one write's: say so, do not hang
+            log.exception("the messenger thread of %s died", self.transport.name)
+            self.failure = f"the messenger thread died: {exc!r}"
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             if self.poll_once() and self._moved:
                 continue  # something happened: look again at once

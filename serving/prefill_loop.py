@@ -136,6 +136,8 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         return self.idle_wait_s
 
     def _work(self) -> None:
+        if self.side.local.failure is not None:  # nothing would be sent any more: end (the group restarts)
+            raise RuntimeError(self.side.local.failure)
         change = self.membership.poll() if self.membership is not None else None
         for record in change.joined if change is not None else []:
             log.info("decode group %d is up (generation %d): connecting", record.group, record.generation)

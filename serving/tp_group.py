@@ -362,6 +362,8 @@ def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> No
         if msg.inputs is not None:
             engine.execute_step(msg.inputs)
         if isinstance(side, PrefillSide):
+            if side.failure is not None:  # this rank would send nothing more: end (the group restarts)
+                raise RuntimeError(side.failure)
             report.completed += side.completed()
         elif isinstance(side, DecodeSide):
             polled = side.poll()

@@ -66,10 +66,17 @@ class NixlTransport:
         dev = np.zeros(len(arr), dtype=np.uint64)
         local = self._descs(np.stack([arr[:, 0], arr[:, 2], dev], axis=1))
         remote = self._descs(np.stack([arr[:, 1], arr[:, 2], dev], axis=1))
-        handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
-        if self._agent.transfer(handle) == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise RuntimeError(f"NIXL could not post a write to {peer!r}")
+        handle, why = None, None
+        try:
+            handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
+            posted = self._agent.transfer(handle)
+        except Exception as exc:  # NIXL raises its own types (a dead peer: NIXL_ERR_REMOTE_DISCONNECT)
+            posted, why = "ERR", repr(exc)
+        if posted == "ERR":  # this write failed, not the sender: its job fails, the other peers are served
+            log.warning("a KV write to %s failed: %s", peer, why or "NIXL could not post it")
+            if handle is not None:
+                self.release(handle)
+            return self._failed
         return handle
 
     def state(self, handle: object) -> TransferState:
@@ -77,12 +84,19 @@ class NixlTransport:
             return TransferState.DONE
         if handle is self._failed:
             return TransferState.FAILED
-        s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
+        try:
+            s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
+        except Exception as exc:  # NIXL's own error types: the peer went away mid-write
+            log.warning("a KV write failed: %s", exc)
+            return TransferState.FAILED
         return {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}.get(s, TransferState.FAILED)
 
     def release(self, handle: object) -> None:
         if handle is not self._done and handle is not self._failed:
-            self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
+            try:
+                self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
+            except Exception as exc:  # NIXL's own error types: releasing a dead peer's write
+                log.warning("releasing a KV write failed: %s", exc)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         try:

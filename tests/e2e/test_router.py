@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +20,7 @@ import pytest
 from bench.serve.deploy import Frontend, load_targets
 from bench.serve.replay import replay
 from bench.serve.workloads import BenchRequest
-from orchestrator.launch import Launch
+from orchestrator.launch import JobState, Launch, run_processes
 from serving.ports import free_port
 from tests.deploy_harness import cluster, deployed
 from torch_engine.config import EngineConfig, SchedulerConfig
@@ -250,3 +252,64 @@ def test_the_serving_benchmark_drives_the_router_and_request_ids_reach_the_trace
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["X-Request-Id"] == "my-id-1"
+
+
+def test_a_dead_decode_group_leaves_the_router_and_comes_back(deployment: Launch, engine: LLMEngine) -> None:
+    """Last in this module (it kills a group): every process of decode group 1 killed while streams
+    run through the router. Each stream completes with the engine's text or fails with an error (none
+    hangs); new requests keep being served (by decode group 0) meanwhile; the launcher restarts group
+    1 and the router's probe takes it back into rotation, where it serves again."""
+    prompts = [f"Count from {i} to {i + 9}:" for i in range(12)]
+    want = [w[0] for w in _want(engine, prompts, chat=False, max_tokens=24)]
+    client = openai.AsyncOpenAI(base_url=_base(deployment), api_key=KEY, max_retries=0, timeout=120)
+
+    async def one(p: str) -> str | Exception:
+        try:
+            stream = await client.completions.create(
+                model="smollm2", prompt=p, max_tokens=24, temperature=0, stream=True
+            )
+            return "".join([x.choices[0].text async for x in stream if x.choices])
+        except openai.APIError as exc:  # the group died under it: an error, not a hang
+            return exc
+
+    async def load_then_kill() -> tuple[list[str | Exception], list[str | Exception]]:
+        try:
+            jobs = [asyncio.ensure_future(one(p)) for p in prompts]
+            await asyncio.sleep(0.5)
+            for pid in run_processes(deployment.run_id, "decode1"):
+                os.kill(pid, signal.SIGKILL)
+            first = list(await asyncio.wait_for(asyncio.gather(*jobs), timeout=120))
+            during = list(await asyncio.gather(*(one(p) for p in prompts[:4])))  # group 0 serves meanwhile
+            return first, during
+        finally:
+            await client.close()
+
+    first, during = asyncio.run(load_then_kill())
+    assert all(isinstance(r, Exception) or r == w for r, w in zip(first, want, strict=True)), first
+    assert during == want[:4]
+    job = deployment.jobs["decode1"]
+    deadline = time.monotonic() + 180
+    while not (job.state is JobState.UP and job.generation == 1):
+        assert deployment.check() is None, deployment.events
+        assert time.monotonic() < deadline, deployment.events
+        time.sleep(0.2)
+    base = _base(deployment).removesuffix("/v1")
+    while not _get(f"{base}/health")[1]["groups"]["decode1"]["up"]:  # type: ignore[index]
+        assert time.monotonic() < deadline, _get(f"{base}/health")
+        time.sleep(0.5)
+    served = _served(deployment).get("decode1", 0.0)
+    again = openai.AsyncOpenAI(base_url=_base(deployment), api_key=KEY, max_retries=0, timeout=120)
+
+    async def spread() -> list[str]:
+        async def short(p: str) -> str:
+            r = await again.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
+            return r.choices[0].text
+
+        try:  # at once: the router spreads them by outstanding tokens
+            return list(await asyncio.gather(*(short(p) for p in prompts[:8])))
+        finally:
+            await again.close()
+
+    assert all(asyncio.run(spread()))
+    assert _served(deployment).get("decode1", 0.0) > served  # the restarted group serves again
+    assert "decode group 1 TP rank 0" in "\n".join(deployment.events)
