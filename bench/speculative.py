@@ -36,6 +36,9 @@ WORKLOADS = {
     "\n\ndef perimeter(shape, a, b=0):\n    if shape == 'square':\n",
     # free text: little to copy
     "chat": "Why is the sky blue? Explain it to a ten-year-old in a few sentences.",
+    # free text of the kind `disagg train-mtp` trains its heads on (one of its own prompts): what a
+    # head does on text like its training data, next to the three above, which it never saw
+    "trained": "Explain photosynthesis to a ten-year-old.",
 }  # fmt: skip
 
 
@@ -100,7 +103,7 @@ def run(a: argparse.Namespace) -> int:
     assert tok is not None
     points: list[Point] = []
     for name, text in WORKLOADS.items():
-        prompt = tok.encode(text, chat=name == "chat")
+        prompt = tok.encode(text, chat=name in ("chat", "trained"))
         for batch in a.batch:
             prompts = [prompt] * batch
             runs: dict[str, list[float]] = {"plain": [], "spec": []}
