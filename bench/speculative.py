@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=[SpecMethod.NGRAM.value, SpecMethod.MTP.value], default=SpecMethod.NGRAM.value)
     p.add_argument("--mtp-head", type=Path, default=None, help="MTP head to attach (disagg train-mtp) for --method mtp")
     p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step (k; MTP drafts 1)")
+    p.add_argument("--max-batch", type=int, default=None, help="speculative.max_batch: no drafting above it")
     p.add_argument("--decode-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=3)
@@ -97,7 +98,7 @@ def run(a: argparse.Namespace) -> int:
     base["scheduler"] = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     plain = LLMEngine(EngineConfig.model_validate(base))
     k = 1 if method is SpecMethod.MTP else a.num_tokens
-    spec_cfg = SpeculativeConfig(method=method, num_tokens=k)
+    spec_cfg = SpeculativeConfig(method=method, num_tokens=k, max_batch=a.max_batch)
     spec = LLMEngine(EngineConfig.model_validate(base | {"speculative": spec_cfg}))
     tok = plain.tokenizer
     assert tok is not None
@@ -121,7 +122,7 @@ def run(a: argparse.Namespace) -> int:
             points.append(point)
             print(f"{name:5s} batch {batch:2d}: {p:6.1f} -> {s:6.1f} tok/s ({s / p:.2f}x), "
                   f"accepted {accepted}/{proposed} ({point.acceptance:.0%}), identical {point.identical}")  # fmt: skip
-    report = {"cpu": cpu_info().as_dict(), "kernel_path": spec.kernel_path, "method": method.value, "num_tokens": k,
+    report = {"cpu": cpu_info().as_dict(), "kernel_path": spec.kernel_path, "method": method.value, "num_tokens": k, "max_batch": a.max_batch,
               "decode_tokens": a.decode_tokens, "points": [asdict(p) for p in points]}  # fmt: skip
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)

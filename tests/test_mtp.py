@@ -246,3 +246,18 @@ def test_trained_head_attaches_and_drafts_losslessly(tiny, mtp_tiny, tiny_engine
         build_engine(str(mtp_tiny("llama")[0]), tmp_path / "e2", opts, progress=False)
     with pytest.raises(BuildError, match=r"is not for this model \(layer 3\)"):
         build_engine(str(tiny("deepseek_v3")[0]), tmp_path / "e3", opts, progress=False)
+
+
+def test_a_request_gives_up_drafting_that_does_not_pay(mtp_engine_dir) -> None:
+    """``give_up_after = 1``: a request stops speculating at its first wholly rejected draft (its
+    MTP work stops with it), so each request has at most one rejected draft; tokens are unchanged."""
+    spec = SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1, give_up_after=1)
+    eng = engine(mtp_engine_dir("llama"), spec=spec)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ids, _ = run_logged(eng, PROMPTS, params)
+    stats = [eng.request(i).spec for i in ids]
+    assert all(s.proposed - s.accepted <= 1 for s in stats), stats
+    assert any(s.misses == 1 for s in stats)  # some did give up (random weights draft badly)
+    assert [eng.request(i).output_ids for i in ids] == engine(mtp_engine_dir("llama"), spec=None).generate(
+        PROMPTS, params
+    )

@@ -227,6 +227,12 @@ class SpeculativeConfig(_Frozen):
     max_batch: int | None = Field(
         default=None, ge=1, description="no drafting while more requests than this run (vLLM's disable-by-batch-size)"
     )
+    give_up_after: int | None = Field(
+        default=4,
+        ge=1,
+        description="a request whose drafts were wholly rejected this many times in a row stops speculating "
+        "(and its MTP work stops); None: it only backs off",
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> SpeculativeConfig:

@@ -451,10 +451,12 @@ class LLMEngine:
         self._detok.pop(req.request_id, None)
 
     def _may_draft(self, req: Request) -> bool:
-        """The request speculates: it opted in (or left it to the default) and has no penalties
-        (its logits would depend on the tokens a draft adds)."""
+        """The request speculates: it opted in (or left it to the default), has no penalties (its
+        logits would depend on the tokens a draft adds), and has not given up (``give_up_after``
+        drafts in a row wholly rejected: drafting does not pay for this text)."""
         p, spec = req.params, self.config.speculative
-        return not p.penalized and (spec.default if p.speculate is None else p.speculate)
+        gave_up = spec.give_up_after is not None and req.spec.misses >= spec.give_up_after
+        return not p.penalized and not gave_up and (spec.default if p.speculate is None else p.speculate)
 
     def _propose(self, req: Request, room: int) -> list[int]:
         """Draft tokens for ``req`` (the scheduler's ``propose``): none for requests that do not
@@ -540,15 +542,16 @@ class LLMEngine:
         row = 0
         for c in sched.chunks:
             req, picked = c.request, picks.get(id(c))
-            if not (self._mtp_drafts or req.kind is RequestKind.PREFILL_ONLY):
-                row += c.length  # its MTP KV is never read: no drafts here, no decoder to send it to
+            speculates = self._mtp_drafts and self._may_draft(req)
+            if not (speculates or req.kind is RequestKind.PREFILL_ONLY):
+                row += c.length  # its MTP KV is never read: no drafts from it here, no decoder to send it to
                 continue
             emitted = picked.tokens if picked is not None else []
             known = req.all_tokens + emitted
             end = min(c.start + (len(emitted) if c.draft else c.length), len(known) - 1)
             if end > c.start:
                 # a draft is wanted for the next step, unless the request opted out or backs off then
-                wants = bool(emitted) and self._mtp_drafts and not req.spec.skip and self._may_draft(req)
+                wants = bool(emitted) and speculates and not req.spec.skip
                 spans.append(Span(known[c.start + 1 : end + 1], c.start, req.pages, int(wants)))
                 hidden_rows += range(row, row + end - c.start)
                 if wants:

@@ -18,7 +18,9 @@ KV written for rejected positions is simply not counted (``num_computed`` stops 
 accepted token) and pages past the new end are returned (``Scheduler.trim``). ``k`` is fixed per
 deployment (``SpeculativeConfig.num_tokens``), shortened where the step budget, free pages, the
 context or ``max_tokens`` leave less room; how often a request drafts adapts: after drafts that
-were wholly rejected it backs off exponentially (``SpecStats.backoff``). Requests with penalties
+were wholly rejected it backs off exponentially (``SpecStats.backoff``), and after
+``give_up_after`` such drafts in a row it stops speculating (drafting that does not pay for this
+text costs nothing from then on; with MTP its MTP pass stops too). Requests with penalties
 do not speculate (their logits depend on the tokens a draft would add).
 """
 
