@@ -122,8 +122,15 @@ def run(a: argparse.Namespace) -> int:
             points.append(point)
             print(f"{name:5s} batch {batch:2d}: {p:6.1f} -> {s:6.1f} tok/s ({s / p:.2f}x), "
                   f"accepted {accepted}/{proposed} ({point.acceptance:.0%}), identical {point.identical}")  # fmt: skip
-    report = {"cpu": cpu_info().as_dict(), "kernel_path": spec.kernel_path, "method": method.value, "num_tokens": k, "max_batch": a.max_batch,
-              "decode_tokens": a.decode_tokens, "points": [asdict(p) for p in points]}  # fmt: skip
+    report = {
+        "cpu": cpu_info().as_dict(),
+        "kernel_path": spec.kernel_path,
+        "method": method.value,
+        "num_tokens": k,
+        "max_batch": a.max_batch,
+        "decode_tokens": a.decode_tokens,
+        "points": [asdict(p) for p in points],
+    }
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=2), encoding="utf-8")
