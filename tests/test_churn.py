@@ -1,19 +1,27 @@
-"""200 random requests with random cancellations on a small pool: every page comes back."""
+"""200 random requests with random cancellations on a small pool: every page comes back (also with
+MTP speculation: rejected positions and the MTP layer's pages too)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
+from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import FinishReason, RequestKind, RequestState
 from torch_engine.sampling import SamplingParams
 
 
-def test_random_requests_and_cancellations_free_every_page(tiny_engine_dir) -> None:
+@pytest.mark.parametrize("drafter", ["none", "mtp"])
+def test_random_requests_and_cancellations_free_every_page(drafter: str, tiny_engine_dir, mtp_engine_dir) -> None:
     rng = random.Random(7)
     # 40 pages of 4 tokens: far fewer than the load needs, so admission waits and preemption happen
-    engine = tiny_engine(tiny_engine_dir("llama"), num_pages=40, chunk=16, budget=32, max_num_seqs=8)
+    mtp = drafter == "mtp"
+    spec = SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1) if mtp else None
+    engine_dir = mtp_engine_dir("llama") if mtp else tiny_engine_dir("llama")
+    engine = tiny_engine(engine_dir, num_pages=40, chunk=16, budget=32, max_num_seqs=8, speculative=spec)
     ids: list[str] = []
     kinds: dict[str, RequestKind] = {}
     submitted = 0
@@ -54,6 +62,7 @@ def test_random_requests_and_cancellations_free_every_page(tiny_engine_dir) -> N
     assert {FinishReason.ABORT, FinishReason.LENGTH} <= reasons
     assert engine.num_preemptions > 0  # the pool really ran out
     assert any(engine.request(i).state is RequestState.FAILED for i in ids)
+    assert (engine.spec_stats.proposed > 0) == mtp
 
 
 def test_preemption_keeps_greedy_outputs(tiny_engine_dir) -> None:

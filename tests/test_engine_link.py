@@ -31,17 +31,13 @@ def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, decode_spec=None, *
     return prefill, decode, PrefillLink(prefill, pside), DecodeLink(decode, dside, ["p0"], timeout_s=30), pside
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
-def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
-    prompts = [prompt_of(n, n) for n in (3, 17, 40, 66)]
-    params = SamplingParams(max_tokens=9)
-    plain = tiny_engine(tiny_engine_dir(kind)).generate(prompts, params)
-    prefill, decode, plink, dlink, pside = linked(kind, tiny_engine_dir, MemoryFabric(), chunk=8, budget=24)
+def run_split(prefill, decode, plink, dlink, pside, prompts, params, meta: bool) -> tuple[list[str], list[list[int]]]:
+    """Every prompt split: decode link -> prefill link -> messenger -> decode engine, until all finished."""
     pside.start()
     try:
         ids = []
         for i, prompt in enumerate(prompts):
-            req = dlink.start(prompt, params, f"r{i}", seed=i, meta=True)
+            req = dlink.start(prompt, params, f"r{i}", seed=i, meta=meta)
             plink.submit(req)
             ids.append(req.request_id)
         for _ in range(2000):
@@ -51,9 +47,18 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
             decode.step()
             if all(decode.has_request(i) and decode.request(i).finished for i in ids) and not prefill.has_unfinished():
                 break
-        outputs = [decode.request(i).output_ids for i in ids]
+        return ids, [decode.request(i).output_ids for i in ids]
     finally:
         pside.stop()
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
+    prompts = [prompt_of(n, n) for n in (3, 17, 40, 66)]
+    params = SamplingParams(max_tokens=9)
+    plain = tiny_engine(tiny_engine_dir(kind)).generate(prompts, params)
+    prefill, decode, plink, dlink, pside = linked(kind, tiny_engine_dir, MemoryFabric(), chunk=8, budget=24)
+    _, outputs = run_split(prefill, decode, plink, dlink, pside, prompts, params, meta=True)
     assert outputs == plain
     while plink.poll() or plink.live():  # the last FINs
         pass
@@ -152,23 +157,7 @@ def test_disaggregated_mtp_drafts_from_the_shipped_hidden_state(kind: str, mtp_e
             pass
 
     decode.attach(FirstSteps())
-    pside.start()
-    try:
-        ids = []
-        for i, prompt in enumerate(prompts):
-            req = dlink.start(prompt, params, f"r{i}", seed=i, meta=decode.wants_prefill_hidden)
-            plink.submit(req)
-            ids.append(req.request_id)
-        for _ in range(2000):
-            plink.step()
-            plink.poll()
-            assert dlink.poll().failed == []
-            decode.step()
-            if all(decode.has_request(i) and decode.request(i).finished for i in ids) and not prefill.has_unfinished():
-                break
-        outputs = [decode.request(i).output_ids for i in ids]
-    finally:
-        pside.stop()
+    ids, outputs = run_split(prefill, decode, plink, dlink, pside, prompts, params, decode.wants_prefill_hidden)
     assert outputs == plain
     _, hf = mtp_tiny(kind)
     for i, rid in enumerate(ids):

@@ -4,7 +4,6 @@ and speculation with it is lossless (greedy tokens equal plain decoding) on GQA 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +11,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from builders.errors import BuildError
-from tests.helpers import build_tiny, engine_config, mtp_reference
+from tests.helpers import build_tiny, mtp_reference
 from tests.test_engine_equivalence import prompt_of
-from torch_engine.config import EngineManifest, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
+from tests.test_speculative import engine as speculating_engine
+from torch_engine.config import EngineManifest, KVLayout, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
-from torch_engine.request import RequestKind, RequestState
+from torch_engine.request import RequestKind
 from torch_engine.sampling import SamplingParams
 from torch_engine.scheduler import SchedulerOutput
 
@@ -25,11 +25,7 @@ PROMPTS = [prompt_of(30, 1), prompt_of(9, 2), prompt_of(41, 3), prompt_of(2, 4)]
 
 
 def engine(engine_dir: Path, spec: SpeculativeConfig | None = MTP, **kw: Any) -> LLMEngine:
-    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=48, max_num_seqs=16)
-    settings: dict[str, object] = {"num_pages": 256, "scheduler": sched, "dtype": "float32"}
-    if spec is not None:
-        settings["speculative"] = spec
-    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False)
+    return speculating_engine(engine_dir, spec, **kw)
 
 
 class DraftLog:
@@ -156,47 +152,6 @@ def test_sampled_requests_speculate_with_mtp(mtp_engine_dir) -> None:
     out = eng.generate(PROMPTS, params)
     assert all(len(o) == 20 for o in out)
     assert eng.spec_stats.proposed > 0 and eng.page_stats().used == 0
-
-
-def test_random_requests_and_cancellations_with_mtp_free_every_page(mtp_engine_dir) -> None:
-    """200 random requests (generate, prefill-only, decode-from-KV; greedy and sampled) with MTP
-    speculation, random cancellations and a pool small enough to preempt: every page comes back."""
-    rng = random.Random(11)
-    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=32, max_num_seqs=8)
-    eng = LLMEngine(
-        engine_config(mtp_engine_dir("llama"), num_pages=40, scheduler=sched, dtype="float32", speculative=MTP),
-        load_tokenizer=False,
-    )
-    ids: list[str] = []
-    submitted = 0
-    while submitted < 200 or eng.has_unfinished() or eng.waiting_for_kv() or eng.prefilled():
-        for _ in range(rng.randrange(0, 4)):
-            if submitted >= 200:
-                break
-            prompt = prompt_of(rng.randrange(1, 60), submitted)
-            params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.8]), seed=submitted)
-            roll = rng.random()
-            if roll < 0.1 and len(prompt) > 1 and eng.can_reserve(len(prompt)):
-                rid, _ = eng.reserve_for_kv(prompt, params)
-            elif roll < 0.2:
-                rid = eng.add_request(prompt, params, kind=RequestKind.PREFILL_ONLY)
-            else:
-                rid = eng.add_request(prompt, params)
-            ids.append(rid)
-            submitted += 1
-        eng.step()
-        for rid in list(eng.waiting_for_kv()):
-            if rng.random() < 0.3:
-                eng.kv_ready(rid)
-        for rid in list(eng.prefilled()):
-            if rng.random() < 0.5:
-                eng.release(rid)
-        if rng.random() < 0.15:
-            eng.abort(rng.choice(ids))
-    assert all(eng.request(i).finished for i in ids)
-    assert eng.page_stats().used == 0 and eng.page_stats().pinned == 0
-    assert eng.num_preemptions > 0 and eng.spec_stats.proposed > 0
-    assert any(eng.request(i).state is RequestState.ABORTED for i in ids)
 
 
 def test_mtp_layer_progress_counts_every_forward(mtp_engine_dir) -> None:
