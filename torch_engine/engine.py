@@ -539,6 +539,8 @@ class LLMEngine:
         spans: list[Span] = []
         hidden_rows: list[int] = []
         drafting: list[tuple[Request, int]] = []  # (request, its draft's position)
+        limit = self.config.speculative.max_batch  # above it nobody drafts next step: no draft logits
+        batch_ok = limit is None or len(self._scheduler.running) <= limit
         row = 0
         for c in sched.chunks:
             req, picked = c.request, picks.get(id(c))
@@ -551,7 +553,7 @@ class LLMEngine:
             end = min(c.start + (len(emitted) if c.draft else c.length), len(known) - 1)
             if end > c.start:
                 # a draft is wanted for the next step, unless the request opted out or backs off then
-                wants = bool(emitted) and speculates and not req.spec.skip
+                wants = bool(emitted) and speculates and batch_ok and not req.spec.skip
                 spans.append(Span(known[c.start + 1 : end + 1], c.start, req.pages, int(wants)))
                 hidden_rows += range(row, row + end - c.start)
                 if wants:
