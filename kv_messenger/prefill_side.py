@@ -170,6 +170,11 @@ class PrefillSide:
                 self._peers[ep.agent] = ep
                 self._peer_pools[ep.agent] = (list(ep.layer_addrs), ep.layout.page_bytes)
 
+    def connected(self, agents: Sequence[str]) -> bool:
+        """Every one of ``agents`` is a decode rank this rank shook hands with."""
+        with self._lock:
+            return all(a in self._peers for a in agents)
+
     def peer_endpoint(self, agent: str) -> RankEndpoint:
         return self._peers[agent]
 

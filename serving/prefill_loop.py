@@ -22,7 +22,7 @@ from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import Transport
 from serving.kv_links import PrefillLink, engine_layout, metadata_bytes
 from serving.loop import LoopReport, ReportHook, ServingLoop
-from serving.registry import Membership
+from serving.registry import Membership, MembershipChange
 from serving.tp_group import GroupChannel, GroupPrefillSide
 from serving.trace import Tracer
 from torch_engine.engine import LLMEngine
@@ -117,6 +117,8 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
 
     # -- ServingLoop ---------------------------------------------------------------------
     def _admit(self, item: PrefillRequest) -> None:
+        if self.membership is not None and not self.side.local.connected(item.decode_ranks):
+            self._join(self.membership.poll(force=True))  # a decode group that just came back: look now
         try:
             self.link.submit(item)
         except InvalidRequestError as exc:  # refused after the call was accepted: the decoder hears why, now
@@ -129,6 +131,12 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
                 self._started.pop(item.request_id, None)
             self.refused += 1
 
+    def _join(self, change: MembershipChange | None) -> None:
+        """Connect decode groups that came up (a restart: new agents) on every rank of this group."""
+        for record in change.joined if change is not None else []:
+            log.info("decode group %d is up (generation %d): connecting", record.group, record.generation)
+            self.side.connect(record.endpoints)  # followers: the next tick carries it, before any request
+
     def _busy(self) -> bool:
         return self.engine.has_unfinished()
 
@@ -138,10 +146,7 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
     def _work(self) -> None:
         if self.side.local.failure is not None:  # nothing would be sent any more: end (the group restarts)
             raise RuntimeError(self.side.local.failure)
-        change = self.membership.poll() if self.membership is not None else None
-        for record in change.joined if change is not None else []:
-            log.info("decode group %d is up (generation %d): connecting", record.group, record.generation)
-            self.side.connect(record.endpoints)  # every rank of this group (the next tick carries it)
+        self._join(self.membership.poll() if self.membership is not None else None)
         if self.engine.has_unfinished():
             self._stepped = True
             for out in self.link.step():

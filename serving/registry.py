@@ -141,9 +141,10 @@ class Membership:
         self._next = 0.0
         self._stamp: tuple[tuple[str, int], ...] = ()
 
-    def poll(self) -> MembershipChange | None:
+    def poll(self, force: bool = False) -> MembershipChange | None:
+        """What changed since the last look (at most every ``poll_s``, unless ``force``)."""
         now = time.monotonic()
-        if now < self._next:
+        if now < self._next and not force:
             return None
         self._next = now + self.poll_s
         stamp = self._listing()
