@@ -172,24 +172,33 @@ def test_disagg_launch_cli_demo_then_ctrl_c(smollm2_dir: Path, tmp_path: Path) -
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ctrl-C stops everything" in line:
-            break
-    text = "".join(lines)
-    assert "TTFT" in text and "ITL" in text, text
-    assert f"grpc 127.0.0.1:{cfg.ports.grpc}" in text, text
-    script = (cfg.run_dir / "decode0.sh").read_text(encoding="utf-8")  # each group's job exports the run id
-    run_id = script.split("DISAGG_RUN_ID=", 1)[1].split()[0]
-    assert run_processes(run_id)
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, text + rest
-    assert "stopped" in rest
-    assert run_processes(run_id) == {}
-    assert all(port_free(cfg.bind, p) for p in (cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        text = "".join(lines)
+        assert "TTFT" in text and "ITL" in text, text
+        assert f"grpc 127.0.0.1:{cfg.ports.grpc}" in text, text
+        script = (cfg.run_dir / "decode0.sh").read_text(encoding="utf-8")  # each group's job exports the run id
+        run_id = script.split("DISAGG_RUN_ID=", 1)[1].split()[0]
+        assert run_processes(run_id)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, text + rest
+        assert "stopped" in rest
+        assert run_processes(run_id) == {}
+        assert all(port_free(cfg.bind, p) for p in (cfg.ports.http, cfg.ports.grpc, cfg.ports.metrics))
+    finally:  # whatever failed above, the launcher (and with it the deployment) does not outlive the test
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def test_colocated_tp2_equals_tp1(tiny_engine_dir, tmp_path) -> None:
