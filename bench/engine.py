@@ -58,6 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
                    help="decode-only steps through CUDA graphs (auto: on for CUDA)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="instead: measure a hardware profile for `disagg plan` / placement (first --threads value)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="with --profile: the KV link's rate in GB/s (default: memory copy bandwidth measured here)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +247,8 @@ def load_hf(engine_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.profile is not None:
+        return run_profile(a)
     opts = Options(
         engine_dir_of(a), a.device, a.run_dtype, a.threads, a.prompt_len, a.decode_tokens, a.batch, a.repeats,
         not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs], not a.no_llamacpp, a.reference,
@@ -243,6 +257,40 @@ def run(a: argparse.Namespace) -> int:
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(asdict(report), indent=2), encoding="utf-8")
+    return 0
+
+
+def run_profile(a: argparse.Namespace) -> int:
+    from bench.profile import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS, measure_profile
+
+    threads = a.threads[0]
+    torch.set_num_threads(threads)
+    engine_dir = engine_dir_of(a)
+    page = EngineManifest.load(engine_dir).page_size
+    longest = max(*PREFILL_TOKENS, *DECODE_CONTEXTS)
+    cfg = EngineConfig(
+        engine_dir=engine_dir,
+        device=a.device,
+        num_threads=threads,
+        fast_cpu=not a.reference,
+        dtype="auto" if a.run_dtype == "auto" else DType(a.run_dtype),
+        num_pages=max(DECODE_BATCHES) * (-(-(longest + 32) // page)) + 8,
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=longest, max_prefill_chunk=longest
+        ),
+    )
+    engine = LLMEngine(cfg, load_tokenizer=False)
+    link = a.link_gbps * 1e9 if a.link_gbps else copy_bandwidth(device=a.device)
+    name = f"{cpu_info().model}, {threads} thread(s), {str(engine.dtype).removeprefix('torch.')}"
+    print(f"[bench] measuring a hardware profile: {name}; kernel path {engine.kernel_path}", flush=True)
+    profile = measure_profile(engine, name, link)
+    profile.dump(a.profile)
+    for n, s in profile.prefill:
+        print(f"[bench] prefill {n:5d} tokens: {1e3 * s:8.1f} ms", flush=True)
+    for b, row in zip(profile.decode.batches, profile.decode.seconds, strict=True):
+        cells = "  ".join(f"ctx {c}: {1e3 * s:6.1f} ms" for c, s in zip(profile.decode.contexts, row, strict=True))
+        print(f"[bench] decode batch {b:3d}: {cells}", flush=True)
+    print(f"[bench] wrote {a.profile}", flush=True)
     return 0
 
 

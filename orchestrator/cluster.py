@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from builders.build import DEFAULT_ENGINE_CACHE
 from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
+from planner.placement import PlacementSpec
 from serving.node_config import RequestLimits, RequestTimeouts
 from torch_engine.config import DType, KVLayout, Role, SchedulerConfig, SpeculativeConfig
 
@@ -140,6 +141,7 @@ class ClusterConfig(_Frozen):
     limits: RequestLimits = RequestLimits()
     timeouts: TimeoutSpec = TimeoutSpec()
     transport: TransportSpec = TransportSpec()
+    placement: PlacementSpec = PlacementSpec()  # disaggregated decode groups: prefill a request here or remotely
     ports: PortSpec = PortSpec()
     router: RouterSpec = RouterSpec()
     security: SecuritySpec = SecuritySpec()

@@ -377,6 +377,7 @@ class Launch:
         node = NodeConfig(
             engine=EngineConfig.model_validate(engine),
             transport=cfg.transport,
+            placement=cfg.placement,
             limits=cfg.limits,
             timeouts=RequestTimeouts.model_validate(cfg.timeouts.model_dump(include=set(RequestTimeouts.model_fields))),
             agent_name=f"{self.run_id}-{slot.name}-g{generation}",  # a restarted group's agents are new peers

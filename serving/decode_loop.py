@@ -49,6 +49,10 @@ class KVSource(Protocol):
         """Per-request records it holds, by structure."""
         ...
 
+    def prefill_counts(self) -> tuple[int, int]:
+        """Prompts prefilled so far: (on this engine, at a prefill group)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Submit:
@@ -153,10 +157,13 @@ class DecodeLoop(ServingLoop[_Submit | str]):
         waiting, running = self.engine.queue_depths()
         records = {"callbacks": len(self._callbacks), "detokenizers": len(self._detok)}
         records["engine"] = self.engine.num_requests()
+        prefills = (0, 0)
         if self.kv is not None:
             records |= self.kv.records()
+            prefills = self.kv.prefill_counts()
         spec = self.engine.spec_stats
-        return LoopReport(self.engine.page_stats(), waiting, running, records, (spec.proposed, spec.accepted))
+        drafts = (spec.proposed, spec.accepted)
+        return LoopReport(self.engine.page_stats(), waiting, running, records, drafts, prefills)
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the

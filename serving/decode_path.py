@@ -2,6 +2,7 @@
 
 ``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
 
+    admit ──one-token prompt, or the placement rule says prefill here (planner/placement.py)──> the engine
     admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below
     admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
     SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
@@ -25,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kv_messenger.protocol import PrefillRequest
+from planner.placement import PlacementInputs, PlacementSpec, PrefillPlacement, decide
 from serving.kv_links import DecodeLink
 from serving.prefill_client import Caller, CallerFactory, Delivery, PrefillCaller, PrefillGroup, Reply
 from serving.registry import Membership
@@ -63,10 +65,14 @@ class KVFetcher:
         caller: CallerFactory | None = None,
         auth_key: str | None = None,
         membership: Membership | None = None,
+        placement: PlacementSpec | None = None,
     ) -> None:
         if not groups:
             raise ValueError("a disaggregated decode node needs at least one prefill group")
         self.membership = membership  # prefill groups dying and coming back (a deployment's registry)
+        self.placement = placement or PlacementSpec()
+        self._costs = self.placement.cost_models()
+        self.prefills = {"local": 0, "remote": 0}  # where prompts of two or more tokens were prefilled
         self.engine = engine
         self.link = DecodeLink(engine, side, timeout_s=kv_timeout_s)
         self.groups = groups
@@ -88,6 +94,9 @@ class KVFetcher:
         if len(prompt_ids) < 2:
             return False  # nothing to prefill: the decoder runs the single token itself
         self.engine.check_prompt(prompt_ids)  # one that can never fit fails now, not after a wait
+        if self._local(request_id, len(prompt_ids)):
+            return False
+        self.prefills["remote"] += 1
         if self.tracer is not None:
             self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
         if self._queued or not self.engine.can_reserve(len(prompt_ids) - 1):
@@ -95,6 +104,29 @@ class KVFetcher:
             return True
         self._start(request_id, prompt_ids, params)
         return True
+
+    def _local(self, request_id: str, prompt_tokens: int) -> bool:
+        """The placement rule: prefill this prompt on this engine (True) or at a prefill group."""
+        mode = self.placement.mode
+        if mode is PrefillPlacement.REMOTE:
+            return False
+        if self._costs is None:
+            local, est = True, None
+        else:
+            load = self.engine.load()
+            groups = [g for g in range(len(self.groups)) if self.router.available(g)]
+            queue = min((self.router.load(g) for g in groups), default=0)
+            x = PlacementInputs(prompt_tokens, load.decoding, load.mean_context, load.prefill_tokens, queue, load.chunk)
+            est = decide(x, *self._costs, self.placement.overhead_s, mode)
+            local = est.local
+        if local:
+            self.prefills["local"] += 1
+        if self.tracer is not None and est is not None:
+            self.tracer.mark(
+                request_id, "placed", where="local" if local else "remote", local_s=round(est.local_s, 4),
+                remote_s=round(est.remote_s, 4), stall_s=round(est.stall_s, 4),
+            )  # fmt: skip
+        return local
 
     def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         try:
@@ -149,6 +181,9 @@ class KVFetcher:
             "fenced_pages": self.link.fenced_pages,
             "messenger": self.link.side.live(),
         }
+
+    def prefill_counts(self) -> tuple[int, int]:
+        return self.prefills["local"], self.prefills["remote"]
 
     def cancel(self, request_id: str) -> bool:
         for q in self._queued:

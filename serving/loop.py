@@ -44,6 +44,7 @@ class LoopReport:
     running: int
     records: dict[str, int]  # per-request records held, by structure: all 0 on an idle node (bounded state)
     drafts: tuple[int, int] = (0, 0)  # speculative draft tokens so far: (proposed, accepted)
+    prefills: tuple[int, int] = (0, 0)  # disaggregated decode nodes: prompts prefilled (here, at a prefill group)
 
 
 ReportHook = Callable[[LoopReport], None]

@@ -56,6 +56,7 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
             tracer,
             auth_key=node.auth_key,
             membership=rank.membership(Role.PREFILL),
+            placement=node.placement,
         )
     channel = rank.channel
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from kv_messenger.config import TransportSpec
+from planner.placement import PlacementSpec
 from torch_engine.config import EngineConfig, Role
 
 NODE_CONFIG_ENV = "DISAGG_NODE_CONFIG"  # the node config file of a serving process
@@ -58,6 +59,7 @@ class NodeConfig(_Frozen):
 
     engine: EngineConfig
     transport: TransportSpec = TransportSpec()
+    placement: PlacementSpec = PlacementSpec()  # decode nodes of a disaggregated deployment: where prompts prefill
     limits: RequestLimits = RequestLimits()
     timeouts: RequestTimeouts = RequestTimeouts()
     agent_name: str = "disagg-node"  # NIXL agent name of this node's messenger

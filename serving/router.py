@@ -40,9 +40,13 @@ class Router:
         g = self._groups[group]
         return g.own + g.others
 
+    def available(self, group: int) -> bool:
+        """In rotation now (not cooling down, not gone)."""
+        g = self._groups[group]
+        return g.down_until <= self.clock() and not g.gone
+
     def pick(self, exclude: Set[int] = frozenset()) -> int:
-        now = self.clock()
-        healthy = [i for i, g in enumerate(self._groups) if i not in exclude and g.down_until <= now and not g.gone]
+        healthy = [i for i in range(len(self._groups)) if i not in exclude and self.available(i)]
         if not healthy:
             tried = ", ".join(str(i) for i in sorted(exclude)) or "none"
             raise NoPrefillGroup(f"no prefill group can take the request (tried: {tried}; others down)")

@@ -56,6 +56,14 @@ class PrefillResult:
     last_logits: torch.Tensor | None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    decoding: int  # running requests past their first token
+    mean_context: float  # their mean context (tokens)
+    prefill_tokens: int  # prompt tokens still to compute, waiting and running requests
+    chunk: int  # tokens per step (the scheduler's budget)
+
+
 @dataclass(slots=True)
 class _Picked:
     """What a sampling chunk emits this step: tokens (its next one, after any accepted drafts)."""
@@ -308,6 +316,15 @@ class LLMEngine:
     def queue_depths(self) -> tuple[int, int]:
         """(waiting, running) requests."""
         return len(self._scheduler.waiting), len(self._scheduler.running)
+
+    def load(self) -> EngineLoad:
+        """What the engine has on its hands now (a decode node's placement rule reads it)."""
+        s = self._scheduler
+        prefilling = [r for r in (*s.waiting, *s.running) if not r.output_ids]
+        pending = sum(r.compute_target - r.num_computed for r in prefilling)
+        decoding = [r for r in s.running if r.output_ids]
+        context = sum(r.num_tokens for r in decoding) / len(decoding) if decoding else 0.0
+        return EngineLoad(len(decoding), context, pending, self.config.scheduler.max_num_batched_tokens)
 
     # -- the connector port (torch_engine/connector.py) ----------------------------------
     def attach(self, observer: StepObserver) -> None:

@@ -359,6 +359,12 @@ class _NodeMetrics:
             o: self._drafts_family.Metric(labels=self._labels | {"outcome": o}) for o in ("proposed", "accepted")
         }
         self._drafts_seen = (0, 0)
+        self._prefills_family = fam(
+            "disagg_prefills_total", "Prompts a disaggregated decode node prefilled itself / sent away", fam.COUNTER
+        )
+        where = ("local", "remote")
+        self.prefills = {w: self._prefills_family.Metric(labels=self._labels | {"where": w}) for w in where}
+        self._prefills_seen = (0, 0)
 
     def report(self, r: LoopReport) -> None:
         self.pages["free"].set(r.pages.free)
@@ -371,6 +377,11 @@ class _NodeMetrics:
             self.drafts["proposed"].increment(proposed - p0)
             self.drafts["accepted"].increment(accepted - a0)
             self._drafts_seen = r.drafts
+        if r.prefills != self._prefills_seen:
+            for where, now, before in zip(("local", "remote"), r.prefills, self._prefills_seen, strict=True):
+                if now > before:
+                    self.prefills[where].increment(now - before)
+            self._prefills_seen = r.prefills
         for what, n in r.records.items():
             if what not in self.records:
                 self.records[what] = self._records_family.Metric(labels=self._labels | {"what": what})

@@ -13,7 +13,10 @@ from typing import Literal
 import torch
 
 from bench.engine import copy_bandwidth
+from bench.profile import measure_profile
+from planner.profile import HardwareProfile
 from torch_engine.config import DType, EngineConfig, SchedulerConfig
+from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -25,6 +28,7 @@ class Calibration:
     prefill_len: int
     memcpy_bytes_per_s: float
     kv_bytes_per_token: int
+    profile: HardwareProfile | None = None  # the cost curves of one engine process (1 thread): placement, planner
 
 
 def calibrate(
@@ -62,4 +66,15 @@ def calibrate(
         prefill[n] = min(times)
     best = min(lengths, key=lambda n: abs(prefill[n] / step - target_ratio))
     kv = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
-    return Calibration(step, prefill, best, copy_bandwidth(64 << 20, 3), kv)
+    copy = copy_bandwidth(64 << 20, 3)
+    return Calibration(step, prefill, best, copy, kv, _profile(engine_dir, run_dtype, copy, max(lengths)))
+
+
+def _profile(engine_dir: Path, run_dtype: DType | Literal["auto"], link: float, longest: int) -> HardwareProfile:
+    """Cost curves of a serving process (1 thread), measured in one-step prefills and batched decodes."""
+    tokens = sorted({16, 32, 64, 128, 256, 512, longest})
+    scheduler = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max(tokens), max_prefill_chunk=max(tokens))
+    cfg = EngineConfig(engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=1024, scheduler=scheduler)
+    engine = LLMEngine(cfg, load_tokenizer=False)
+    name = f"{cpu_info().model}, 1 thread, {str(engine.dtype).removeprefix('torch.')}"
+    return measure_profile(engine, name, link, tokens, (1, 2, 4, 8, 16), (64, 256), repeats=2, steps=6)

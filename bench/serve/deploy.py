@@ -10,6 +10,7 @@ from pathlib import Path
 
 from orchestrator.cluster import ClusterConfig
 from orchestrator.launch import Launch
+from planner.placement import PlacementSpec
 from serving.ports import free_port
 from torch_engine.config import Role
 
@@ -40,6 +41,7 @@ def deployment(
     layers_per_post: int = 1,
     run_dtype: str = "auto",
     frontend: Frontend = Frontend.TRITON,
+    placement: PlacementSpec | None = None,
 ) -> ClusterConfig:
     base: dict[str, object] = {
         "mode": mode,
@@ -51,6 +53,7 @@ def deployment(
         "run_dir": str(out / mode),
         "timeouts": {"startup_s": 300, "kv_transfer_s": 120},
         "transport": {"layers_per_post": layers_per_post},
+        "placement": (placement or PlacementSpec()).model_dump(mode="json"),
         "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port()},
     }
     group = {"tp": 1, "engine_dir": str(engine_dir), "num_pages": 2048}

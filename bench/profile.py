@@ -1,0 +1,104 @@
+"""Measure a ``HardwareProfile`` of the engine on this machine (``disagg bench engine --profile``).
+
+- prefill: one prompt of N tokens prefilled in one step (the scheduler's budget and chunk are
+  raised to the longest N), the median of ``repeats``;
+- decode: B requests of C-token prompts prefilled, then the median of ``steps`` decode steps of
+  all B together (the context grows by ``steps`` tokens during them: C is their mean);
+- the link: memory copy bandwidth (the KV crosses shared memory here; on a real NIC pass its rate).
+
+The CPU model and flags, the threads, the dtype and the engine's kernel path go into the profile.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from planner.profile import DecodeGrid, HardwareProfile, ProfileSource
+from torch_engine.cpu import cpu_info
+from torch_engine.engine import LLMEngine
+from torch_engine.sampling import SamplingParams
+
+PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+DECODE_BATCHES = (1, 2, 4, 8, 16)
+DECODE_CONTEXTS = (64, 256, 1024)
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def prefill_time(engine: LLMEngine, tokens: int, repeats: int, rng: random.Random) -> float:
+    vocab = engine.manifest.model.vocab_size
+    times = []
+    for _ in range(repeats):
+        rid = engine.add_request(_prompt(rng, tokens, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        while engine.has_unfinished():
+            engine.step()
+        engine.retire(rid)
+    return statistics.median(times)
+
+
+def decode_time(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random) -> float:
+    """Median step of ``batch`` sequences decoding together around ``context`` tokens."""
+    vocab = engine.manifest.model.vocab_size
+    start = max(context - steps // 2, 2)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.add_request(_prompt(rng, start, vocab), params) for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (perhaps over several steps) until every one has its first token
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished():
+        engine.step()
+    for rid in ids:
+        engine.retire(rid)
+    return statistics.median(times)
+
+
+def measure_profile(
+    engine: LLMEngine,
+    name: str,
+    link_bytes_per_s: float,
+    prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    batches: Sequence[int] = DECODE_BATCHES,
+    contexts: Sequence[int] = DECODE_CONTEXTS,
+    repeats: int = 3,
+    steps: int = 8,
+) -> HardwareProfile:
+    """The engine's scheduler must let one step prefill ``max(prefill_tokens)`` tokens and hold
+    ``max(batches)`` sequences of ``max(contexts)`` tokens."""
+    rng = random.Random(0)
+    prefill_time(engine, min(prefill_tokens), 1, rng)  # warm-up
+    prefill = [(n, prefill_time(engine, n, repeats, rng)) for n in prefill_tokens]
+    grid = [[decode_time(engine, b, c, steps, rng) for c in contexts] for b in batches]
+    kv_bytes = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
+    cpu = cpu_info()
+    device = {
+        "cpu": cpu.model,
+        "flags": " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)),
+        "threads": str(torch.get_num_threads()),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "kernel_path": engine.kernel_path,
+    }
+    return HardwareProfile(
+        name=name,
+        source=ProfileSource.MEASURED,
+        model=engine.manifest.source,
+        device=device,
+        prefill=prefill,
+        decode=DecodeGrid(batches=list(batches), contexts=list(contexts), seconds=grid),
+        kv_bytes_per_token=kv_bytes,
+        link_bytes_per_s=link_bytes_per_s,
+    )
