@@ -18,6 +18,7 @@ from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
 from builders import BuildError, train_mtp
 from orchestrator import engine_cli, launch_cli
+from planner import cli as plan_cli
 from torch_engine.sampling import InvalidRequestError
 
 
@@ -37,6 +38,8 @@ COMMANDS = [
     Command("chat", "interactive chat on the engine", engine_cli.add_chat_arguments, engine_cli.run_chat),
     Command("launch", "start a deployment from a cluster config (mpirun), serve until Ctrl-C",
             launch_cli.add_arguments, launch_cli.run),
+    Command("plan", "colocated vs disaggregated plans (P:D, TP) by simulation: goodput, TTFT / TPOT",
+            plan_cli.add_arguments, plan_cli.run),
     Command("train-mtp", "train an MTP head for a checkpoint without one (self-distillation)",
             train_mtp.add_arguments, train_mtp.run),
 ]  # fmt: skip
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(a.fn(a))
-    except (BuildError, InvalidRequestError, FileNotFoundError) as exc:
+    except (BuildError, InvalidRequestError, FileNotFoundError, ValueError) as exc:
         print(f"disagg: error: {exc}", file=sys.stderr)
         return 2
 
