@@ -16,9 +16,9 @@ from bench import engine as bench_engine
 from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
+from bench.serve import validate as plan_validate
 from builders import BuildError, train_mtp
 from orchestrator import engine_cli, launch_cli
-from planner import cli as plan_cli
 from torch_engine.sampling import InvalidRequestError
 
 
@@ -39,7 +39,7 @@ COMMANDS = [
     Command("launch", "start a deployment from a cluster config (mpirun), serve until Ctrl-C",
             launch_cli.add_arguments, launch_cli.run),
     Command("plan", "colocated vs disaggregated plans (P:D, TP) by simulation: goodput, TTFT / TPOT",
-            plan_cli.add_arguments, plan_cli.run),
+            plan_validate.add_arguments, plan_validate.run),
     Command("train-mtp", "train an MTP head for a checkpoint without one (self-distillation)",
             train_mtp.add_arguments, train_mtp.run),
 ]  # fmt: skip

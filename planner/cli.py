@@ -5,6 +5,7 @@
         --input lognormal:4000:0.6 --output 300-700 --ttft-slo 2 --tpot-slo 0.02 --handover prefill-token
     disagg plan --model M --prefill-gpu H100 --decode-gpu L40S ...           # heterogeneous roles
     disagg plan --validate runs/bench_serve/bench_serve.json                   # against a measured benchmark
+                                                   (``bench/serve/validate.py``; ``disagg/cli.py`` wires it)
 
 Hardware: a measured profile (``disagg bench engine --profile``) or a named GPU (``planner/gpus.py``),
 per role where they differ. A device is one profile instance's unit (a GPU, or a 1-thread core).
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
-    p.add_argument("--rate", type=float, default=None, help="also report the best plans at this rate (req/s)")
+    p.add_argument("--rate", type=float, default=None, help="also report every plan at this rate (req/s)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per engine step (chunked prefill budget)")
     p.add_argument("--max-seqs", type=int, default=256, help="sequences per engine step")
     p.add_argument("--handover", choices=["decode-step", "prefill-token"], default="decode-step",
@@ -53,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the prefill samples the first token (Dynamo, SGLang)")  # fmt: skip
     p.add_argument("--overhead-s", type=float, default=0.02, help="a remote prefill's fixed round trip")
     p.add_argument("--exposed-share", type=float, default=1.0, help="share of the KV transfer not hidden by streaming")
-    p.add_argument("--validate", type=Path, default=None, help="a bench serve JSON: predict its points and compare")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG: goodput per device of every plan")
 
@@ -162,10 +162,6 @@ def workload(a: argparse.Namespace) -> Workload:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.validate is not None:
-        from planner.validate import validate
-
-        return validate(a.validate, a.json)
     wl, slo = workload(a), SLO(a.ttft_slo, a.tpot_slo)
     cands = candidates(a)
     if not cands:
@@ -190,7 +186,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"[plan] best disaggregated / best colocated goodput per device: {ratio:.2f}")
     if a.rate is not None:
         at = {}
-        for ev in evaluated[:1] + [e for e in evaluated if e.deployment.mode is not evaluated[0].deployment.mode][:1]:
+        for ev in evaluated:  # every plan at the same offered load
             res = simulate(ev.deployment, wl, a.rate)
             at[ev.label] = asdict(row(ev, res))
             tpot = res.pct("tpot", 50)

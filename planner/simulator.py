@@ -358,8 +358,9 @@ def _result(r: _Req) -> RequestResult:
     def span(a: float, b: float) -> float | None:
         return None if math.isnan(a) or math.isnan(b) else b - a
 
+    waited = min(r.landed, r.first)  # a first token sampled by the prefill does not wait for the KV
     return RequestResult(
         r.prompt, r.output, r.first - r.arrival, tpot, r.local,
         span(r.arrival, r.scheduled), span(r.scheduled, r.prefilled),
-        None if r.local else span(r.prefilled, r.landed), None if r.local else span(r.landed, r.first),
+        None if r.local else span(r.prefilled, waited), None if r.local else span(waited, r.first),
     )  # fmt: skip

@@ -11,12 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = (
     "torch_engine", "kv_messenger", "serving", "frontend", "orchestrator", "bench", "builders", "backends", "disagg",
+    "planner",
 )  # fmt: skip
 TRITON = ("triton_python_backend_utils", "tritonclient")
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
-    "torch_engine": ("kv_messenger", "serving", "frontend", "orchestrator", "bench", "backends", "disagg", *TRITON),
+    "torch_engine": (
+        "kv_messenger",
+        "serving",
+        "frontend",
+        "orchestrator",
+        "bench",
+        "backends",
+        "disagg",
+        "planner",
+        *TRITON,
+    ),
     "kv_messenger": ("serving", "frontend", "orchestrator", "bench", "backends", "disagg", *TRITON),
     "serving": ("frontend", "orchestrator", "bench", "backends", "disagg", "triton_python_backend_utils"),
     "orchestrator": ("bench", "backends", "disagg", "triton_python_backend_utils"),
@@ -24,6 +35,8 @@ FORBIDDEN = {
     "frontend": ("kv_messenger", "orchestrator", "bench", "backends", "disagg", "triton_python_backend_utils"),
     "builders": ("kv_messenger", "serving", "orchestrator", "bench", "backends", "disagg", *TRITON),
     "bench": ("backends", "disagg", "triton_python_backend_utils"),
+    # the planner is shared by decode nodes (the placement rule) and ``disagg plan``: it sits below both
+    "planner": ("kv_messenger", "serving", "frontend", "orchestrator", "bench", "backends", "disagg", *TRITON),
 }
 
 

@@ -27,6 +27,7 @@ from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.protocol import Notification, NotifKind, PrefillRequest
 from kv_messenger.transport import MemoryFabric
 from kv_messenger.transport.memory import MemoryTransport
+from planner.placement import PlacementSpec
 from serving.decode_loop import DecodeLoop
 from serving.decode_path import KVFetcher
 from serving.kv_links import DecodeLink, engine_layout, metadata_bytes
@@ -34,6 +35,7 @@ from serving.llm_request import RequestIds
 from serving.prefill_client import Delivery, PrefillGroup, Reply
 from serving.prefill_loop import PrefillLoop
 from serving.tp_group import GroupChannel, GroupDecodeSide
+from serving.trace import Tracer
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.engine import LLMEngine
@@ -132,7 +134,10 @@ class Cluster:
             p.stop()
 
 
-def cluster(tiny_engine_dir, groups: int = 2, decode_pages: int = 256, grace_s: float = 30.0) -> Cluster:
+def cluster(
+    tiny_engine_dir, groups: int = 2, decode_pages: int = 256, grace_s: float = 30.0,
+    placement: PlacementSpec | None = None, tracer: Tracer | None = None,
+) -> Cluster:  # fmt: skip
     fabric = MemoryFabric()
     kind = tiny_engine_dir("llama")
     decode = tiny_engine(kind, num_pages=decode_pages)
@@ -149,7 +154,7 @@ def cluster(tiny_engine_dir, groups: int = 2, decode_pages: int = 256, grace_s: 
     ScriptedCaller.mode, ScriptedCaller.before_reply = {}, {}
     side = GroupDecodeSide(dside, GroupChannel(decode), ["d0"])
     pgroups = [PrefillGroup(g, f"unused:{g}", [f"p{g}"]) for g in range(groups)]
-    fetcher = KVFetcher(decode, side, pgroups, 30.0, 5.0, caller=ScriptedCaller)
+    fetcher = KVFetcher(decode, side, pgroups, 30.0, 5.0, tracer, caller=ScriptedCaller, placement=placement)
     return Cluster(decode, dside, fetcher, DecodeLoop(decode, kv=fetcher), prefills, transports)
 
 

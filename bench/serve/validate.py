@@ -1,5 +1,8 @@
 """``disagg plan --validate BENCH_JSON``: the planner's predictions for a measured serving benchmark.
 
+``disagg plan`` is ``planner/cli.py``; this module adds ``--validate`` to it (it reads the benchmark's
+own arguments and arrivals, so it lives in ``bench`` and the planner stays below the benchmarks).
+
 Every rate point of a ``disagg bench serve`` run is simulated with the benchmark's own inputs: the
 profile its calibration measured (one 1-thread engine process), its request files, the same seeded
 Poisson arrivals, its deployments (colocated: two 1-core replicas, round-robin; disaggregated: one
@@ -18,6 +21,7 @@ from typing import Any
 
 from bench.serve.cli import add_arguments as bench_arguments
 from bench.serve.workloads import poisson_arrivals
+from planner import cli as plan_cli
 from planner.placement import PrefillPlacement
 from planner.profile import CostModel, HardwareProfile
 from planner.simulator import Deployment, Mode, Role, SimResult, Simulator
@@ -139,3 +143,14 @@ def table(checks: list[PointCheck]) -> str:
             f"{_cell(r.tpot_p50)} | {_cell(r.tpot_p99)} |"
         )
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    plan_cli.add_arguments(p)
+    p.add_argument("--validate", type=Path, default=None, help="a bench serve JSON: predict its points and compare")
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.validate is not None:
+        return validate(a.validate, a.json)
+    return plan_cli.run(a)

@@ -1,0 +1,63 @@
+"""Conditional disaggregation on a decode node (``KVFetcher`` + ``planner/placement.py``): prompts are
+prefilled here or at a prefill group as the mode and the cost curves say, the tokens are the same
+either way, and the choice is counted and traced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.placement import PlacementSpec, PrefillPlacement
+from planner.profile import HardwareProfile
+from serving.trace import Tracer, read_trace
+from tests.helpers import tiny_engine
+from tests.test_engine_equivalence import prompt_of
+from tests.test_fencing import GREEDY, cluster, wait_for
+from tests.test_planner import linear_profile
+
+Outcome = tuple[list[list[int]], tuple[int, int]]  # tokens per request, (local, remote) prefills
+
+
+def _run(tiny_engine_dir, placement: PlacementSpec, tracer: Tracer | None = None) -> Outcome:
+    c = cluster(tiny_engine_dir, placement=placement, tracer=tracer)
+    try:
+        prompts = {f"r{i}": prompt_of(6 + 5 * i, 30 + i) for i in range(4)}
+        outs = c.run(prompts)  # one at a time would be idle; four at once load the engine
+        assert all(o.error is None for o in outs.values())
+        wait_for(c.settled, what="every page back")
+        if tracer is not None:  # the server's part: a request's trace line is written when it finishes
+            for rid in prompts:
+                tracer.finish(rid)
+        return [outs[r].output_ids for r in prompts], c.fetcher.prefill_counts()
+    finally:
+        c.stop()
+
+
+def _plain(tiny_engine_dir) -> list[list[int]]:
+    prompts = [prompt_of(6 + 5 * i, 30 + i) for i in range(4)]
+    return tiny_engine(tiny_engine_dir("llama")).generate(prompts, GREEDY)
+
+
+def test_forced_local_and_remote_placement_give_the_same_tokens(tiny_engine_dir) -> None:
+    plain = _plain(tiny_engine_dir)
+    local, counts = _run(tiny_engine_dir, PlacementSpec(mode=PrefillPlacement.LOCAL))
+    assert local == plain and counts == (4, 0)
+    remote, counts = _run(tiny_engine_dir, PlacementSpec(mode=PrefillPlacement.REMOTE))
+    assert remote == plain and counts == (0, 4)
+
+
+def test_auto_placement_follows_the_cost_curves(tiny_engine_dir, tmp_path: Path) -> None:
+    plain = _plain(tiny_engine_dir)
+    same = tmp_path / "same.json"
+    linear_profile(per_token=0.01).dump(same)  # both roles alike: an idle engine keeps short prompts
+    tracer = Tracer(tmp_path / "trace.jsonl", "decode0")
+    out, (local, remote) = _run(tiny_engine_dir, PlacementSpec(mode=PrefillPlacement.AUTO, profile=same), tracer)
+    assert out == plain and local >= 1 and local + remote == 4
+    placed = [r for r in read_trace(tmp_path / "trace.jsonl") if "where" in r]
+    assert len(placed) == 4 and all(isinstance(r["local_s"], float) and r["local_s"] > 0 for r in placed)
+    assert all(isinstance(r["remote_s"], float) and r["remote_s"] > 0 for r in placed)
+    assert sum(r["where"] == "local" for r in placed) == local
+    fast: HardwareProfile = linear_profile(per_token=1e-5, base=1e-4)  # prefill groups 1000x faster per token
+    fast.dump(tmp_path / "fast.json")
+    spec = PlacementSpec(mode=PrefillPlacement.AUTO, profile=same, prefill_profile=tmp_path / "fast.json", overhead_s=0)
+    out, counts = _run(tiny_engine_dir, spec)
+    assert out == plain and counts == (0, 4)  # remote is cheaper even for an idle decode engine
