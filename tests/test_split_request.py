@@ -75,3 +75,28 @@ def test_abort_while_waiting_for_kv_defers_free_until_unpinned(tiny_engine_dir) 
     assert engine.page_stats().used == len(pages)  # not reusable while a write may land
     engine.unpin_pages(pages)
     assert engine.page_stats().used == 0
+
+
+def test_landed_kv_joins_the_next_step_beside_the_running_decodes(tiny_engine_dir) -> None:
+    """The handover costs no step of its own: the request whose KV landed runs its last prompt token
+    in the same step as the streams already decoding, and that step yields tokens for all of them."""
+    params = SamplingParams(max_tokens=8)
+    running_prompts = [prompt_of(12, 1), prompt_of(15, 2)]
+    late = prompt_of(21, 3)
+    plain = tiny_engine(tiny_engine_dir("llama")).generate([*running_prompts, late], params)
+    prefill, decode = tiny_engine(tiny_engine_dir("llama")), tiny_engine(tiny_engine_dir("llama"))
+    running = [decode.add_request(p, params) for p in running_prompts]
+    decode.step()  # both prefilled: each has its first token and decodes from here on
+    pid = prefill.add_request(late, kind=RequestKind.PREFILL_ONLY)
+    while prefill.request(pid).state is not RequestState.PREFILLED:
+        prefill.step()
+    did, pages = decode.reserve_for_kv(late, params)
+    decode.kv.copy_pages_from(prefill.kv, prefill.prefill_result(pid).pages[: len(pages)], pages)
+    prefill.release(pid)
+    assert decode.load().decoding == 2
+    decode.kv_ready(did)
+    outs = {o.request_id: o for o in decode.step()}  # one step: two decodes and the handover together
+    assert set(outs) == {*running, did} and all(len(o.new_token_ids) == 1 for o in outs.values())
+    while decode.has_unfinished():
+        decode.step()
+    assert [list(decode.request(r).output_ids) for r in (*running, did)] == plain
