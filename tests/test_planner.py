@@ -219,3 +219,31 @@ def test_heterogeneous_roles_are_planned_with_their_own_curves(tmp_path: Path) -
     assert any("(H100)" in x for x in labels) and any("(L40S)" in x for x in labels)
     assert any(x.startswith("disaggregated") for x in labels)
     assert all(math.isfinite(p["goodput"]) for p in plans)
+
+
+def test_validation_re_simulates_every_point_of_a_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``disagg plan --validate``: the benchmark's own profile, requests, arrivals and settings."""
+    (tmp_path / "requests-prefill-heavy.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": "x", "prompt_tokens": 100 + i, "max_tokens": 20}) for i in range(10)) + "\n"
+    )
+    point = {"workload": "prefill-heavy", "rate": 0.5, "requests": 10, "slo_attainment": 1.0, "ttft_p50": 0.2,
+             "ttft_p99": 0.3, "tpot_p50": 0.02, "tpot_p99": 0.03, "local_prefills": 4}  # fmt: skip
+    bench = {
+        "command": "disagg bench serve --requests 10 --chunk 64 --max-seconds 100 --placement remote",
+        "calibration": {"profile": linear_profile().model_dump(mode="json")},
+        "workloads": {"prefill-heavy": {"slo": {"ttft_s": 1.0, "tpot_s": 0.05}, "rates": [0.5],
+                                        "goodput": {"colocated": 0.5, "disaggregated": 0.0}}},
+        "points": [point | {"mode": "colocated"}, point | {"mode": "disaggregated"}],
+    }  # fmt: skip
+    (tmp_path / "bench_serve.json").write_text(json.dumps(bench))
+    assert main(["plan", "--validate", str(tmp_path / "bench_serve.json"), "--json", str(tmp_path / "v.json")]) == 0
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert [(p["mode"], p["rate"]) for p in doc["points"]] == [("colocated", 0.5), ("disaggregated", 0.5)]
+    dis = doc["points"][1]
+    assert dis["local_share"] == {"predicted": 0.0, "measured": 0.4}  # placement remote, as the run said
+    assert dis["ttft_p50"]["measured"] == 0.2 and dis["ttft_p50"]["predicted"] > 0
+    assert doc["goodput"]["prefill-heavy"]["colocated"]["measured"] == 0.5
+    assert "| prefill-heavy | 0.5 | colocated |" in capsys.readouterr().out
+    bench["calibration"] = {}
+    (tmp_path / "old.json").write_text(json.dumps(bench))
+    assert main(["plan", "--validate", str(tmp_path / "old.json")]) == 2  # a run without a profile: said, not a trace
