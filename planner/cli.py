@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode-step: this engine (the decode runs the last prompt token); prefill-token: "
                    "the prefill samples the first token (Dynamo, SGLang)")  # fmt: skip
     p.add_argument("--overhead-s", type=float, default=0.02, help="a remote prefill's fixed round trip")
+    p.add_argument("--step-overhead-s", type=float, default=0.0,
+                   help="a measured profile: what the serving process adds to every step")  # fmt: skip
+    p.add_argument("--request-overhead-s", type=float, default=0.0,
+                   help="client -> engine time of every request (tokenising, RPCs)")  # fmt: skip
     p.add_argument("--exposed-share", type=float, default=1.0, help="share of the KV transfer not hidden by streaming")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG: goodput per device of every plan")
@@ -112,7 +116,7 @@ def _costs(a: argparse.Namespace, role: str, tp: int, shape: ModelShape | None) 
     kind, hw = _hardware(a, role)
     if kind == "profile":
         assert isinstance(hw, HardwareProfile)
-        return CostModel(hw) if tp == hw.devices else None  # a measured profile is of one instance size
+        return CostModel(hw, a.step_overhead_s) if tp == hw.devices else None  # measured: one instance size
     assert shape is not None
     try:
         return CostModel(roofline_profile(shape, hw, tp, Precision(weight_bytes=a.weight_bytes)))  # type: ignore[arg-type]
@@ -134,7 +138,8 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
                 continue
             n = a.devices // tp
             label = f"colocated {n} x tp{tp}" + (f" ({getattr(name, 'name', role)})" if hetero else "")
-            out.append((label, Deployment(Mode.COLOCATED, Role(c, n, a.chunk, a.max_seqs))))
+            dep = Deployment(Mode.COLOCATED, Role(c, n, a.chunk, a.max_seqs), request_overhead_s=a.request_overhead_s)
+            out.append((label, dep))
     for tp_p in a.tp:
         cp = _costs(a, "prefill", tp_p, shape)
         for tp_d in a.tp:
@@ -148,7 +153,7 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
                 for placement in (PrefillPlacement.REMOTE, PrefillPlacement.AUTO):
                     dep = Deployment(
                         Mode.DISAGGREGATED, Role(cd, d, a.chunk, a.max_seqs), Role(cp, p, a.chunk, a.max_seqs),
-                        placement, a.overhead_s, handover, a.exposed_share,
+                        placement, a.overhead_s, handover, a.exposed_share, a.request_overhead_s,
                     )  # fmt: skip
                     tag = "" if placement is PrefillPlacement.REMOTE else ", conditional"
                     out.append((f"disaggregated {p}P x tp{tp_p} : {d}D x tp{tp_d}{tag}", dep))

@@ -99,10 +99,13 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 class CostModel:
     """Step times from a profile. A mixed step (decodes and a prefill chunk together, as chunked
     prefill runs them) reads the weights once: it costs the decode step plus the prefill's time
-    above a one-token step."""
+    above a one-token step. ``step_overhead_s`` is what a serving process adds to every step beyond
+    the engine's own (its loop, callbacks, detokenisation, streaming the tokens out); measured at
+    idle by the serving benchmark."""
 
-    def __init__(self, profile: HardwareProfile) -> None:
+    def __init__(self, profile: HardwareProfile, step_overhead_s: float = 0.0) -> None:
         self.profile = profile
+        self.step_overhead_s = step_overhead_s
         self._px = [float(t) for t, _ in profile.prefill]
         self._py = [s for _, s in profile.prefill]
         g = profile.decode
@@ -112,13 +115,13 @@ class CostModel:
         self._one = max(self.prefill_s(1), 0.0)
 
     def prefill_s(self, tokens: int) -> float:
-        return max(_interp(self._px, self._py, float(tokens)), 1e-6)
+        return max(_interp(self._px, self._py, float(tokens)), 1e-6) + self.step_overhead_s
 
     def decode_s(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
         by_ctx = [_interp(self._cx, row, context) for row in self._rows]
-        return max(_interp(self._bx, by_ctx, float(batch)), 1e-6)
+        return max(_interp(self._bx, by_ctx, float(batch)), 1e-6) + self.step_overhead_s
 
     def step_s(self, decodes: int, context: float, prefill_tokens: int) -> float:
         if prefill_tokens <= 0:

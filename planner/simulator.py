@@ -65,6 +65,7 @@ class Deployment:
     overhead_s: float = 0.02  # a remote prefill's round trip (call, notification)
     handover: Handover = Handover.DECODE_STEP
     exposed_share: float = 1.0  # share of the KV transfer after the prefill ends (layer streaming: the last post's)
+    request_overhead_s: float = 0.0  # client -> engine (tokenising, RPCs, the server's queues), before any step
 
     @property
     def devices(self) -> int:
@@ -200,7 +201,7 @@ class Simulator:
         self._seq = 0
         reqs = [_Req(i, t, p, o) for i, ((p, o), t) in enumerate(zip(requests, arrivals, strict=True))]
         for r in reqs:
-            self._push(r.arrival, self.ARRIVE, r)
+            self._push(r.arrival + dep.request_overhead_s, self.ARRIVE, r)
         now = 0.0
         while self._events:
             now, _, kind, obj = heapq.heappop(self._events)

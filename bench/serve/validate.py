@@ -38,18 +38,23 @@ def _bench_args(command: str) -> argparse.Namespace:
     return p.parse_args(words[3:] if words[:3] == ["disagg", "bench", "serve"] else words)
 
 
-def deployments(costs: CostModel, args: argparse.Namespace, layers: int) -> dict[str, Deployment]:
+def deployments(
+    costs: CostModel, args: argparse.Namespace, layers: int, request_overhead_s: float = 0.0
+) -> dict[str, Deployment]:
     chunk = args.chunk
     placement = PrefillPlacement(getattr(args, "placement", PrefillPlacement.AUTO.value))
     exposed = min(args.layers_per_post / layers, 1.0)
     return {
-        "colocated": Deployment(Mode.COLOCATED, Role(costs, 2, chunk, BENCH_MAX_SEQS)),
+        "colocated": Deployment(
+            Mode.COLOCATED, Role(costs, 2, chunk, BENCH_MAX_SEQS), request_overhead_s=request_overhead_s
+        ),
         "disaggregated": Deployment(
             Mode.DISAGGREGATED,
             Role(costs, 1, chunk, BENCH_MAX_SEQS),
             Role(costs, 1, chunk, BENCH_MAX_SEQS),
             placement,
             exposed_share=exposed,
+            request_overhead_s=request_overhead_s,
         ),
     }
 
@@ -78,19 +83,34 @@ class PointCheck:
     local_share: Compared
 
 
+def serving_overheads(profile: HardwareProfile, wl: Workload, idle: dict[str, float] | None) -> tuple[float, float]:
+    """What the serving path adds to the engine's own times, from the benchmark's idle requests
+    (colocated, one at a time): per step (idle inter-token latency - a batch-1 decode step at the
+    mean context) and per request (idle TTFT - the prompt's one-step prefill with that step cost)."""
+    if not idle:
+        return 0.0, 0.0
+    bare = CostModel(profile)
+    step = max(idle["itl"] - bare.decode_s(1, wl.mean_input + wl.mean_output / 2), 0.0)
+    request = max(idle["ttft"] - CostModel(profile, step).prefill_s(int(wl.mean_input)), 0.0)
+    return step, request
+
+
 def validate(bench_json: Path, out: Path | None, layers: int = 30) -> int:
     data = json.loads(Path(bench_json).read_text(encoding="utf-8"))
     profile_raw = data["calibration"].get("profile")
     if profile_raw is None:
         raise ValueError(f"{bench_json}: no measured profile in its calibration (a run before `disagg plan` existed)")
-    costs = CostModel(HardwareProfile.model_validate(profile_raw))
+    profile = HardwareProfile.model_validate(profile_raw)
     args = _bench_args(data["command"])
-    deps = deployments(costs, args, layers)
     checks: list[PointCheck] = []
     goodputs: dict[str, dict[str, Compared]] = {}
     for wl_name, w in data["workloads"].items():
         wl = Workload.from_file(Path(bench_json).parent / f"requests-{wl_name}.jsonl", wl_name)
         slo = SLO(w["slo"]["ttft_s"], w["slo"]["tpot_s"])
+        step_s, request_s = serving_overheads(profile, wl, w.get("idle", {}).get("colocated"))
+        print(f"[plan] {wl_name}: serving overheads from the idle requests: {1e3 * step_s:.1f} ms per step, "
+              f"{1e3 * request_s:.1f} ms per request")  # fmt: skip
+        deps = deployments(CostModel(profile, step_s), args, layers, request_s)
         predicted_ok: dict[str, list[float]] = {m: [] for m in deps}
         for rate in w["rates"]:
             arrivals = poisson_arrivals(len(wl.requests), rate, args.seed)

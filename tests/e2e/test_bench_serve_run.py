@@ -20,12 +20,14 @@ def test_bench_serve_runs_both_modes_and_writes_everything(smollm2_dir: Path, tm
     assert {p["mode"] for p in points} == {"colocated", "disaggregated"}
     assert all(p["errors"] == 0 and p["ttft_p50"] > 0 and p["itl_p99"] > 0 for p in points)
     disagg = next(p for p in points if p["mode"] == "disaggregated")
-    assert disagg["split_prefill"] > 0 and disagg["split_transfer"] is not None  # traces joined across nodes
+    # placement auto (the default) on the calibrated profile: an idle decode node keeps a 96-token prompt
+    assert disagg["local_prefills"] >= 1
+    if disagg["local_prefills"] < 3:  # some went to the prefill node: their traces are joined across nodes
+        assert disagg["split_prefill"] > 0 and disagg["split_transfer"] is not None
     targets = report["targets"]
     assert {"goodput_ratio_prefill_heavy", "added_ttft_prefill_heavy"} <= set(targets)
     assert "interval" in targets["goodput_ratio_prefill_heavy"]  # the bootstrap ran (undefined without goodput)
     assert all(0 <= p["loadgen_cpu"] < 2 and len(p["ok"]) == 3 for p in points)  # per request, errors as misses
-    assert disagg["local_prefills"] <= 3
     profile = HardwareProfile.load(out / "profile.json")  # the placement rule's curves, measured in the calibration
     assert profile.source is ProfileSource.MEASURED and profile.prefill[0][1] > 0
     for name in ("bench_serve.csv", "slo-attainment-prefill-heavy.png", "itl-cdf-prefill-heavy.png",
