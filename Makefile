@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer bench-spec mtp-head image image-test clean
+.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer bench-spec plan-seeds mtp-head image image-test clean
 
 setup: $(STAMP)
 
@@ -37,9 +37,14 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# The serving benchmark (colocated vs disaggregated, ~30 min here); the engine and transfer ones.
+# The serving benchmark (colocated vs disaggregated, ~40 min here) and the planner's prediction of it;
+# the engine and transfer ones; the planner on published GPU figures.
 bench: setup
-	$(VENV)/bin/disagg bench serve --out runs/bench_serve
+	$(VENV)/bin/disagg bench serve --requests 50 --rate-multiples 0.1 0.2 0.35 0.5 0.75 --max-seconds 200 --out runs/bench_serve
+	$(VENV)/bin/disagg plan --validate runs/bench_serve/bench_serve.json --json runs/bench_serve/plan-validate.json
+
+plan-seeds: setup
+	scripts/plan_seeds.sh runs/plan
 
 # The optional peer of `bench engine`: llama.cpp's Python binding, built from source (~8 min, portable flags:
 # GGML_NATIVE=ON died with an illegal instruction on these machines). Never needed by make test.

@@ -17,7 +17,6 @@ import asyncio
 import csv
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +44,7 @@ from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir
 from orchestrator.launch import Launch
 from planner.placement import PlacementSpec, PrefillPlacement
 from torch_engine.config import DType, Role
+from torch_engine.cpu import cpu_info
 from torch_engine.tokenizer import Tokenizer
 
 
@@ -164,7 +164,7 @@ def run(a: argparse.Namespace) -> int:
         f"({cal.prefill_s[cal.prefill_len] / cal.decode_step_s:.1f} steps)",
         flush=True,
     )
-    machine: dict[str, object] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    machine: dict[str, object] = {**cpu_info().as_dict(), "cores": os.cpu_count()}
     report = ServeReport(opts.command, machine, cal)
     profile = opts.out / "profile.json"
     assert cal.profile is not None

@@ -35,7 +35,8 @@ def _bench_args(command: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     bench_arguments(p)
     words = shlex.split(command)
-    return p.parse_args(words[3:] if words[:3] == ["disagg", "bench", "serve"] else words)
+    first = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))  # past "disagg bench serve"
+    return p.parse_args(words[first:])
 
 
 def deployments(
