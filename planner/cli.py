@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from planner.gpus import GPUS, DoesNotFit, Precision, roofline_profile
+from planner.gpus import GPUS, DoesNotFit, GpuSpec, Precision, roofline_profile
 from planner.model_shape import ModelShape
 from planner.placement import PrefillPlacement
 from planner.profile import CostModel, HardwareProfile
@@ -101,25 +101,24 @@ def row(ev: Evaluated, res: SimResult | None = None) -> PlanRow:
     return PlanRow(ev.label, d.mode.name.lower(), d.devices, ev.goodput, ev.per_device, Figures.of(r) if r else None)
 
 
-def _hardware(a: argparse.Namespace, role: str) -> tuple[str, object]:
+def _hardware(a: argparse.Namespace, role: str) -> HardwareProfile | GpuSpec:
     profile, gpu = getattr(a, f"{role}_profile") or a.profile, getattr(a, f"{role}_gpu") or a.gpu
     if profile is not None:
-        return "profile", HardwareProfile.load(profile)
+        return HardwareProfile.load(profile)
     if gpu is not None:
         if a.model is None:
             raise ValueError("a GPU profile needs --model (an engine directory or a Hugging Face config.json)")
-        return "gpu", GPUS[gpu]
+        return GPUS[gpu]
     raise ValueError(f"no hardware for the {role} role: give --profile or --gpu (or --{role}-profile / --{role}-gpu)")
 
 
 def _costs(a: argparse.Namespace, role: str, tp: int, shape: ModelShape | None) -> CostModel | None:
-    kind, hw = _hardware(a, role)
-    if kind == "profile":
-        assert isinstance(hw, HardwareProfile)
+    hw = _hardware(a, role)
+    if isinstance(hw, HardwareProfile):
         return CostModel(hw, a.step_overhead_s) if tp == hw.devices else None  # measured: one instance size
     assert shape is not None
     try:
-        return CostModel(roofline_profile(shape, hw, tp, Precision(weight_bytes=a.weight_bytes)))  # type: ignore[arg-type]
+        return CostModel(roofline_profile(shape, hw, tp, Precision(weight_bytes=a.weight_bytes)))
     except DoesNotFit:
         return None
 
@@ -131,13 +130,13 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
     hetero = (a.prefill_gpu or a.prefill_profile) is not None or (a.decode_gpu or a.decode_profile) is not None
     roles = ["decode", "prefill"] if hetero else ["decode"]
     for role in roles:  # colocated on each kind of hardware
-        name = _hardware(a, role)[1]
+        name = _hardware(a, role).name
         for tp in a.tp:
             c = _costs(a, role, tp, shape)
             if c is None or tp > a.devices:
                 continue
             n = a.devices // tp
-            label = f"colocated {n} x tp{tp}" + (f" ({getattr(name, 'name', role)})" if hetero else "")
+            label = f"colocated {n} x tp{tp}" + (f" ({name})" if hetero else "")
             dep = Deployment(Mode.COLOCATED, Role(c, n, a.chunk, a.max_seqs), request_overhead_s=a.request_overhead_s)
             out.append((label, dep))
     for tp_p in a.tp:
