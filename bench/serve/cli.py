@@ -47,6 +47,8 @@ from torch_engine.config import DType, Role
 from torch_engine.cpu import cpu_info
 from torch_engine.tokenizer import Tokenizer
 
+DRAIN_S = 30.0  # a point's bound is at least its last arrival plus this
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
@@ -66,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=[m.value for m in PrefillPlacement], default=PrefillPlacement.AUTO.value,
                    help="disaggregated: where prompts prefill (auto: per request, by measured costs)")  # fmt: skip
     p.add_argument("--idle-requests", type=int, default=3, help="serial requests for the idle SLO baseline")
-    p.add_argument("--max-seconds", type=float, default=150.0, help="bound on one rate point")
+    p.add_argument("--max-seconds", type=float, default=150.0,
+                   help="bound on one rate point (at least its last arrival + 30 s)")  # fmt: skip
     p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
                    help="dtype the engines compute in, in both modes and in the calibration")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
@@ -233,7 +236,8 @@ def _workload(
             tag = f"{wl.value}-{m}-r{ri}"
             bar = tqdm(total=len(reqs), desc=f"{wl.value} {m} {rate:.2f}/s", leave=False)
             cpu = time.process_time()
-            done, wall = asyncio.run(replay(to[m], reqs, arrivals, tag, opts.max_seconds, bar))
+            bound = max(opts.max_seconds, arrivals[-1] + DRAIN_S)  # never cut a request before it was sent
+            done, wall = asyncio.run(replay(to[m], reqs, arrivals, tag, bound, bar))
             cpu = time.process_time() - cpu
             bar.close()
             time.sleep(0.5)  # let the last trace lines land
