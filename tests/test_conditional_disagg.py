@@ -61,3 +61,15 @@ def test_auto_placement_follows_the_cost_curves(tiny_engine_dir, tmp_path: Path)
     spec = PlacementSpec(mode=PrefillPlacement.AUTO, profile=same, prefill_profile=tmp_path / "fast.json", overhead_s=0)
     out, counts = _run(tiny_engine_dir, spec)
     assert out == plain and counts == (0, 4)  # remote is cheaper even for an idle decode engine
+
+
+def test_engine_load_reports_what_the_placement_rule_reads(tiny_engine_dir) -> None:
+    engine = tiny_engine(tiny_engine_dir("llama"), chunk=8, budget=8)
+    a = engine.add_request(prompt_of(6, 1), GREEDY)
+    engine.step()  # a: prefilled, first token out
+    engine.add_request(prompt_of(20, 2), GREEDY)  # b: 20 prompt tokens to compute, 8 per step
+    load = engine.load()
+    assert (load.decoding, load.prefill_tokens, load.chunk) == (1, 20, 8)
+    assert load.mean_context == len(engine.request(a).all_tokens)
+    engine.step()  # b's first chunk rides beside a's decode: 7 tokens (a's token takes one of the 8)
+    assert engine.load().prefill_tokens == 13 and engine.load().decoding == 1
