@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
     p.add_argument("--rate", type=float, default=None, help="also report every plan at this rate (req/s)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per engine step (chunked prefill budget)")
-    p.add_argument("--max-seqs", type=int, default=256, help="sequences per engine step")
+    p.add_argument("--max-seqs", type=int, nargs="+", default=[256],
+                   help="batch limits (sequences per step) to consider; several: every plan with each")  # fmt: skip
     p.add_argument("--handover", choices=["decode-step", "prefill-token"], default="decode-step",
                    help="decode-step: this engine (the decode runs the last prompt token); prefill-token: "
                    "the prefill samples the first token (Dynamo, SGLang)")  # fmt: skip
@@ -137,8 +138,9 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
                 continue
             n = a.devices // tp
             label = f"colocated {n} x tp{tp}" + (f" ({name})" if hetero else "")
-            dep = Deployment(Mode.COLOCATED, Role(c, n, a.chunk, a.max_seqs), request_overhead_s=a.request_overhead_s)
-            out.append((label, dep))
+            for b in a.max_seqs:
+                dep = Deployment(Mode.COLOCATED, Role(c, n, a.chunk, b), request_overhead_s=a.request_overhead_s)
+                out.append((label + _batch(a, b), dep))
     for tp_p in a.tp:
         cp = _costs(a, "prefill", tp_p, shape)
         for tp_d in a.tp:
@@ -150,13 +152,18 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
                 if d < 1:
                     break
                 for placement in (PrefillPlacement.REMOTE, PrefillPlacement.AUTO):
-                    dep = Deployment(
-                        Mode.DISAGGREGATED, Role(cd, d, a.chunk, a.max_seqs), Role(cp, p, a.chunk, a.max_seqs),
-                        placement, a.overhead_s, handover, a.exposed_share, a.request_overhead_s,
-                    )  # fmt: skip
-                    tag = "" if placement is PrefillPlacement.REMOTE else ", conditional"
-                    out.append((f"disaggregated {p}P x tp{tp_p} : {d}D x tp{tp_d}{tag}", dep))
+                    for b in a.max_seqs:  # the decode role's batch limit (prefill engines batch by tokens)
+                        dep = Deployment(
+                            Mode.DISAGGREGATED, Role(cd, d, a.chunk, b), Role(cp, p, a.chunk, max(a.max_seqs)),
+                            placement, a.overhead_s, handover, a.exposed_share, a.request_overhead_s,
+                        )  # fmt: skip
+                        tag = "" if placement is PrefillPlacement.REMOTE else ", conditional"
+                        out.append((f"disaggregated {p}P x tp{tp_p} : {d}D x tp{tp_d}{tag}{_batch(a, b)}", dep))
     return out
+
+
+def _batch(a: argparse.Namespace, b: int) -> str:
+    return f", batch <= {b}" if len(a.max_seqs) > 1 else ""
 
 
 def workload(a: argparse.Namespace) -> Workload:

@@ -202,6 +202,12 @@ def test_disagg_plan_writes_plans_json_and_plot(tmp_path: Path, capsys: pytest.C
     assert "disaggregated 2P x tp1 : 1D x tp1, conditional" in labels
     assert all(p["goodput"] >= 0 for p in doc["plans"]) and (tmp_path / "plan.png").stat().st_size > 0
     assert len(doc["at_rate"]) == len(doc["plans"]) and "| plan | devices |" in capsys.readouterr().out
+    batches = ["plan", "--profile", str(tmp_path / "p.json"), "--devices", "2", "--input", "64", "--output", "20",
+               "--requests", "40", "--max-seqs", "1", "16", "--json", str(tmp_path / "b.json")]  # fmt: skip
+    assert main(batches) == 0
+    plans = {p["label"]: p for p in json.loads((tmp_path / "b.json").read_text())["plans"]}
+    assert {"colocated 2 x tp1, batch <= 1", "colocated 2 x tp1, batch <= 16"} <= set(plans)
+    assert plans["colocated 2 x tp1, batch <= 16"]["goodput"] > plans["colocated 2 x tp1, batch <= 1"]["goodput"]
     assert main(["plan", "--devices", "2"]) == 2  # no hardware: a clear error, not a trace
     assert "no hardware for the decode role" in capsys.readouterr().err
     assert main(["plan", "--gpu", "H100", "--devices", "8"]) == 2
