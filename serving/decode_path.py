@@ -2,7 +2,8 @@
 
 ``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
 
-    admit ──one-token prompt, or the placement rule says prefill here (planner/placement.py)──> the engine
+    admit ──one-token prompt, or the placement rule says prefill here (planner/placement.py), or (auto)
+          no prefill group is in rotation──> the engine
     admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below
     admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
     SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
@@ -72,7 +73,7 @@ class KVFetcher:
         self.membership = membership  # prefill groups dying and coming back (a deployment's registry)
         self.placement = placement or PlacementSpec()
         self._costs = self.placement.cost_models()
-        self.prefills = {"local": 0, "remote": 0}  # where prompts of two or more tokens were prefilled
+        self.local_prefills = self.remote_prefills = 0  # where prompts of two or more tokens were prefilled
         self.engine = engine
         self.link = DecodeLink(engine, side, timeout_s=kv_timeout_s)
         self.groups = groups
@@ -96,7 +97,7 @@ class KVFetcher:
         self.engine.check_prompt(prompt_ids)  # one that can never fit fails now, not after a wait
         if self._local(request_id, len(prompt_ids)):
             return False
-        self.prefills["remote"] += 1
+        self.remote_prefills += 1
         if self.tracer is not None:
             self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
         if self._queued or not self.engine.can_reserve(len(prompt_ids) - 1):
@@ -110,17 +111,17 @@ class KVFetcher:
         mode = self.placement.mode
         if mode is PrefillPlacement.REMOTE:
             return False
-        if self._costs is None:
+        groups = [g for g in range(len(self.groups)) if self.router.available(g)]
+        if self._costs is None or not groups:  # LOCAL; or AUTO with every prefill group down: serve it here
             local, est = True, None
         else:
             load = self.engine.load()
-            groups = [g for g in range(len(self.groups)) if self.router.available(g)]
-            queue = min((self.router.load(g) for g in groups), default=0)
+            queue = min(self.router.load(g) for g in groups)
             x = PlacementInputs(prompt_tokens, load.decoding, load.mean_context, load.prefill_tokens, queue, load.chunk)
             est = decide(x, *self._costs, self.placement.overhead_s, mode)
             local = est.local
         if local:
-            self.prefills["local"] += 1
+            self.local_prefills += 1
         if self.tracer is not None and est is not None:
             self.tracer.mark(
                 request_id, "placed", where="local" if local else "remote", local_s=round(est.local_s, 4),
@@ -183,7 +184,7 @@ class KVFetcher:
         }
 
     def prefill_counts(self) -> tuple[int, int]:
-        return self.prefills["local"], self.prefills["remote"]
+        return self.local_prefills, self.remote_prefills
 
     def cancel(self, request_id: str) -> bool:
         for q in self._queued:

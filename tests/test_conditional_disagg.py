@@ -11,7 +11,7 @@ from planner.profile import HardwareProfile
 from serving.trace import Tracer, read_trace
 from tests.helpers import tiny_engine
 from tests.test_engine_equivalence import prompt_of
-from tests.test_fencing import GREEDY, cluster, wait_for
+from tests.test_fencing import GREEDY, ScriptedCaller, cluster, wait_for
 from tests.test_planner import linear_profile
 
 Outcome = tuple[list[list[int]], tuple[int, int]]  # tokens per request, (local, remote) prefills
@@ -73,3 +73,26 @@ def test_engine_load_reports_what_the_placement_rule_reads(tiny_engine_dir) -> N
     assert load.mean_context == len(engine.request(a).all_tokens)
     engine.step()  # b's first chunk rides beside a's decode: 7 tokens (a's token takes one of the 8)
     assert engine.load().prefill_tokens == 13 and engine.load().decoding == 1
+
+
+def test_auto_placement_serves_locally_while_every_prefill_group_is_down(tiny_engine_dir, tmp_path: Path) -> None:
+    fast = tmp_path / "fast.json"
+    linear_profile(per_token=1e-5, base=1e-4).dump(fast)  # remote would win while a group is up
+    slow = tmp_path / "slow.json"
+    linear_profile(per_token=0.01).dump(slow)
+    spec = PlacementSpec(mode=PrefillPlacement.AUTO, profile=slow, prefill_profile=fast, overhead_s=0)
+    c = cluster(tiny_engine_dir, placement=spec)
+    try:
+        ScriptedCaller.mode = {0: "down", 1: "down"}
+        first = c.run({"a": prompt_of(9, 5)})["a"]  # sent away: both calls fail, both groups cool down
+        assert first.error is not None and "no prefill group" in first.error
+        second = c.run({"b": prompt_of(9, 6)})["b"]  # nobody in rotation: prefilled here
+        assert (
+            second.error is None
+            and second.output_ids == tiny_engine(tiny_engine_dir("llama")).generate([prompt_of(9, 6)], GREEDY)[0]
+        )
+        assert c.fetcher.prefill_counts() == (1, 1)
+        wait_for(c.settled, what="every page back")
+    finally:
+        ScriptedCaller.mode = {}
+        c.stop()
