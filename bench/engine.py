@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -261,30 +262,14 @@ def run(a: argparse.Namespace) -> int:
 
 
 def run_profile(a: argparse.Namespace) -> int:
-    from bench.profile import DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS, measure_profile
+    from bench.profile import measure_profile
 
-    threads = a.threads[0]
-    torch.set_num_threads(threads)
-    engine_dir = engine_dir_of(a)
-    page = EngineManifest.load(engine_dir).page_size
-    longest = max(*PREFILL_TOKENS, *DECODE_CONTEXTS)
-    cfg = EngineConfig(
-        engine_dir=engine_dir,
-        device=a.device,
-        num_threads=threads,
-        fast_cpu=not a.reference,
-        dtype="auto" if a.run_dtype == "auto" else DType(a.run_dtype),
-        num_pages=max(DECODE_BATCHES) * (-(-(longest + 32) // page)) + 8,
-        scheduler=SchedulerConfig(
-            max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=longest, max_prefill_chunk=longest
-        ),
-    )
-    engine = LLMEngine(cfg, load_tokenizer=False)
     link = a.link_gbps * 1e9 if a.link_gbps else copy_bandwidth(device=a.device)
-    name = f"{cpu_info().model}, {threads} thread(s), {str(engine.dtype).removeprefix('torch.')}"
-    print(f"[bench] measuring a hardware profile: {name}; kernel path {engine.kernel_path}", flush=True)
-    profile = measure_profile(engine, name, link)
+    dtype: DType | Literal["auto"] = "auto" if a.run_dtype == "auto" else DType(a.run_dtype)
+    print(f"[bench] measuring a hardware profile ({a.threads[0]} thread(s))", flush=True)
+    profile = measure_profile(engine_dir_of(a), a.threads[0], dtype, link, device=a.device, fast_cpu=not a.reference)
     profile.dump(a.profile)
+    print(f"[bench] {profile.name}; kernel path {profile.device['kernel_path']}", flush=True)
     for n, s in profile.prefill:
         print(f"[bench] prefill {n:5d} tokens: {1e3 * s:8.1f} ms", flush=True)
     for b, row in zip(profile.decode.batches, profile.decode.seconds, strict=True):

@@ -15,10 +15,13 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
 
 import torch
 
 from planner.profile import DecodeGrid, HardwareProfile, ProfileSource
+from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -68,35 +71,53 @@ def decode_time(engine: LLMEngine, batch: int, context: int, steps: int, rng: ra
 
 
 def measure_profile(
-    engine: LLMEngine,
-    name: str,
+    engine_dir: Path,
+    threads: int,
+    run_dtype: DType | Literal["auto"],
     link_bytes_per_s: float,
     prefill_tokens: Sequence[int] = PREFILL_TOKENS,
     batches: Sequence[int] = DECODE_BATCHES,
     contexts: Sequence[int] = DECODE_CONTEXTS,
     repeats: int = 3,
     steps: int = 8,
+    device: str = "cpu",
+    fast_cpu: bool = True,
 ) -> HardwareProfile:
-    """The engine's scheduler must let one step prefill ``max(prefill_tokens)`` tokens and hold
-    ``max(batches)`` sequences of ``max(contexts)`` tokens."""
+    """An engine sized for the grid (one step prefills the longest prompt; the largest batch holds
+    the longest context), then every point of it."""
+    torch.set_num_threads(threads)
+    page = EngineManifest.load(engine_dir).page_size
+    longest = max(*prefill_tokens, *contexts)
+    cfg = EngineConfig(
+        engine_dir=engine_dir,
+        device=device,
+        num_threads=threads,
+        fast_cpu=fast_cpu,
+        dtype=run_dtype,
+        num_pages=max(batches) * -(-(longest + steps + 4) // page) + 8,
+        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=longest, max_prefill_chunk=longest),
+    )
+    engine = LLMEngine(cfg, load_tokenizer=False)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    cpu = cpu_info()
+    name = f"{cpu.model}, {threads} thread{'s' if threads > 1 else ''}, {dtype}"
     rng = random.Random(0)
     prefill_time(engine, min(prefill_tokens), 1, rng)  # warm-up
     prefill = [(n, prefill_time(engine, n, repeats, rng)) for n in prefill_tokens]
     grid = [[decode_time(engine, b, c, steps, rng) for c in contexts] for b in batches]
     kv_bytes = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
-    cpu = cpu_info()
-    device = {
+    info = {
         "cpu": cpu.model,
         "flags": " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)),
         "threads": str(torch.get_num_threads()),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": dtype,
         "kernel_path": engine.kernel_path,
     }
     return HardwareProfile(
         name=name,
         source=ProfileSource.MEASURED,
         model=engine.manifest.source,
-        device=device,
+        device=info,
         prefill=prefill,
         decode=DecodeGrid(batches=list(batches), contexts=list(contexts), seconds=grid),
         kv_bytes_per_token=kv_bytes,

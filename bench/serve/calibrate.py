@@ -16,7 +16,6 @@ from bench.engine import copy_bandwidth
 from bench.profile import measure_profile
 from planner.profile import HardwareProfile
 from torch_engine.config import DType, EngineConfig, SchedulerConfig
-from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -65,16 +64,8 @@ def calibrate(
             engine.retire(rid)
         prefill[n] = min(times)
     best = min(lengths, key=lambda n: abs(prefill[n] / step - target_ratio))
-    kv = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
     copy = copy_bandwidth(64 << 20, 3)
-    return Calibration(step, prefill, best, copy, kv, _profile(engine_dir, run_dtype, copy, max(lengths)))
-
-
-def _profile(engine_dir: Path, run_dtype: DType | Literal["auto"], link: float, longest: int) -> HardwareProfile:
-    """Cost curves of a serving process (1 thread), measured in one-step prefills and batched decodes."""
-    tokens = sorted({16, 32, 64, 128, 256, 512, longest})
-    scheduler = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max(tokens), max_prefill_chunk=max(tokens))
-    cfg = EngineConfig(engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=1024, scheduler=scheduler)
-    engine = LLMEngine(cfg, load_tokenizer=False)
-    name = f"{cpu_info().model}, 1 thread, {str(engine.dtype).removeprefix('torch.')}"
-    return measure_profile(engine, name, link, tokens, (1, 2, 4, 8, 16), (64, 256), repeats=2, steps=6)
+    # the cost curves of a serving process (1 thread): the placement rule's and the planner's
+    tokens = sorted({16, 32, 64, 128, 256, 512, max(lengths)})
+    profile = measure_profile(engine_dir, 1, run_dtype, copy, tokens, (1, 2, 4, 8, 16), (64, 256), repeats=2, steps=6)
+    return Calibration(step, prefill, best, copy, profile.kv_bytes_per_token, profile)
