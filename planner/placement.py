@@ -8,8 +8,8 @@ simulator (``planner/simulator.py``), from the same cost curves (``CostModel``):
   last chunk. Each running stream waits the steps' extra time (``stall_s``).
 - **remote**: the prompt waits behind the prefill group's outstanding tokens, is prefilled
   there (all but its last token), its KV crosses the link, then the decode loop notices it at
-  its next step boundary (half a step on average) and runs the last prompt token in a step of
-  ``running + 1`` sequences. ``overhead_s`` is the fixed cost of the round trip (the call, the
+  its next step boundary (half a step on average; at once when no step runs) and runs the last
+  prompt token in a step of ``running + 1`` sequences. ``overhead_s`` is the fixed cost of the round trip (the call, the
   notification), measured per deployment.
 
 Local wins when ``local_s + running * stall_s <= remote_s``: the prompt's own TTFT plus what it
@@ -72,7 +72,7 @@ def decide(
         remote.prefill_s(x.remote_queue_tokens + n)
         + remote.transfer_s(n)
         + overhead_s
-        + 0.5 * local.decode_s(max(x.running, 1), x.context)
+        + 0.5 * local.decode_s(x.running, x.context)  # an idle engine (no step running) notices at once
         + local.step_s(x.running, x.context, 1)
     )
     if mode is PrefillPlacement.AUTO:

@@ -40,9 +40,7 @@ def simulate(dep: Deployment, wl: Workload, rate: float, bound_s: float | None =
     return Simulator(dep).run(wl.requests, arrivals, rate, bound_s)
 
 
-def goodput(
-    dep: Deployment, wl: Workload, slo: SLO, start: float | None = None, iters: int = 10, seed: int = 0
-) -> tuple[float, SimResult | None]:
+def goodput(dep: Deployment, wl: Workload, slo: SLO, iters: int = 10, seed: int = 0) -> tuple[float, SimResult | None]:
     """The highest rate with >= 90 % of requests inside both SLOs (0 if even a trickle misses)."""
 
     def ok(rate: float) -> SimResult | None:
@@ -55,7 +53,7 @@ def goodput(
     lo = ok(lo_rate)
     if lo is None:
         return 0.0, None
-    rate = start or max(lo_rate * 8, dep.decode.instances / alone)
+    rate = max(lo_rate * 8, dep.decode.instances / alone)
     best, best_res = lo_rate, lo
     hi = None
     for _ in range(30):  # exponential search for a failing rate

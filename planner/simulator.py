@@ -316,8 +316,8 @@ class Simulator:
         else:
             self._to_decoding(e, r, e.steps + 1)
 
-    def _release(self, e: _Engine, r: _Req, now: float) -> None:
-        d = self._decode[r.decode_at] if e.prefill_only else e
+    def _release(self, d: _Engine, r: _Req, now: float) -> None:
+        """``r`` left its decode engine ``d``: its KV room goes to the requests waiting for it."""
         d.held_tokens -= r.prompt + r.output
         while d.blocked and d.fits(d.blocked[0]):
             self._admit(d, d.blocked.popleft(), now)
