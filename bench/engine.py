@@ -181,16 +181,6 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, device: str = "cpu
     return nbytes / _median_time(_synced(buf.sum, device), repeats)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
@@ -300,13 +290,12 @@ def _engine(opts: Options) -> LLMEngine:
 
 def measure(opts: Options) -> Report:
     engine = _engine(opts)
-    hf = load_hf(opts.engine_dir, engine.dtype, opts.device) if opts.hf else None
-    mc = engine.manifest.model
-    wbytes = weight_bytes(engine.model)
-    kv_token_bytes = engine.kv.spec.page_bytes // engine.page_size * mc.num_layers
+    info = engine.describe()
+    hf = load_hf(opts.engine_dir, info.dtype, opts.device) if opts.hf else None
+    mc = info.model
     report = Report(
-        engine.manifest.source, str(engine.dtype).removeprefix("torch."), engine.kernel_path, _device_info(opts.device),
-        opts.prompt_len, opts.decode_tokens, opts.repeats, wbytes, kv_token_bytes,
+        info.source, str(info.dtype).removeprefix("torch."), info.kernel_path, _device_info(opts.device),
+        opts.prompt_len, opts.decode_tokens, opts.repeats, info.weight_bytes, info.kv_bytes_per_token,
     )  # fmt: skip
     print(f"[bench] {report.cpu['model']}; dtype {report.dtype}; kernel path {report.kernel_path}", flush=True)
     context = opts.prompt_len + opts.decode_tokens // 2  # mean context over the decode steps
@@ -318,7 +307,7 @@ def measure(opts: Options) -> Report:
         if hf is not None:
             hf_run(hf, _prompts(1, opts.prompt_len, mc.vocab_size, 99), 2)
         for batch in opts.batch:
-            floor_ms = 1e3 * (wbytes + kv_token_bytes * context * batch) / (tr.read_GBps * 1e9)
+            floor_ms = 1e3 * (info.weight_bytes + info.kv_bytes_per_token * context * batch) / (tr.read_GBps * 1e9)
             tr.points[batch] = _point(engine, hf, opts, batch, floor_ms)
             if 1 in tr.points:
                 p, one = tr.points[batch], tr.points[1]
@@ -343,7 +332,7 @@ def _device_info(device: str) -> dict[str, object]:
 
 
 def _point(engine: LLMEngine, hf: torch.nn.Module | None, opts: Options, batch: int, floor_ms: float) -> Point:
-    prompts = _prompts(batch, opts.prompt_len, engine.manifest.model.vocab_size, batch)
+    prompts = _prompts(batch, opts.prompt_len, engine.describe().model.vocab_size, batch)
     e_runs, h_runs = [], []
     for _ in range(opts.repeats):
         e_runs.append(engine_run(engine, prompts, opts.decode_tokens))
@@ -385,11 +374,12 @@ def llamacpp_point(engine: LLMEngine, opts: Options, threads: int, engine_tok_s:
     except ImportError:
         print("[bench] llama.cpp peer skipped: not installed (make bench-peers)", flush=True)
         return None
-    source = Path(engine.manifest.source)
+    info = engine.describe()
+    source = Path(info.source)
     if source.suffix != ".gguf":
         print(f"[bench] llama.cpp peer skipped: {source.name} is not a GGUF file", flush=True)
         return None
-    kind = "BF16" if engine.dtype == torch.bfloat16 else "F32"
+    kind = "BF16" if info.dtype == torch.bfloat16 else "F32"
     weights = opts.engine_dir / f"llamacpp-{kind}.gguf"
     if not weights.exists():
         params = llama_cpp.llama_model_quantize_default_params()
@@ -407,7 +397,7 @@ def llamacpp_point(engine: LLMEngine, opts: Options, threads: int, engine_tok_s:
         n_batch=opts.prompt_len,
         verbose=False,
     )
-    prompt = _prompts(1, opts.prompt_len, engine.manifest.model.vocab_size, 1)[0]
+    prompt = _prompts(1, opts.prompt_len, info.model.vocab_size, 1)[0]
     pre, dec = [], []
     for _ in range(opts.repeats):
         llm.reset()

@@ -36,7 +36,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def prefill_time(engine: LLMEngine, tokens: int, repeats: int, rng: random.Random) -> float:
-    vocab = engine.manifest.model.vocab_size
+    vocab = engine.describe().model.vocab_size
     times = []
     for _ in range(repeats):
         rid = engine.add_request(_prompt(rng, tokens, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
@@ -51,7 +51,7 @@ def prefill_time(engine: LLMEngine, tokens: int, repeats: int, rng: random.Rando
 
 def decode_time(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random) -> float:
     """Median step of ``batch`` sequences decoding together around ``context`` tokens."""
-    vocab = engine.manifest.model.vocab_size
+    vocab = engine.describe().model.vocab_size
     start = max(context - steps // 2, 2)
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     ids = [engine.add_request(_prompt(rng, start, vocab), params) for _ in range(batch)]
@@ -98,25 +98,26 @@ def measure_profile(
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=longest, max_prefill_chunk=longest),
     )
     engine = LLMEngine(cfg, load_tokenizer=False)
-    dtype = str(engine.dtype).removeprefix("torch.")
+    desc = engine.describe()
+    dtype = str(desc.dtype).removeprefix("torch.")
     cpu = cpu_info()
     name = f"{cpu.model}, {threads} thread{'s' if threads > 1 else ''}, {dtype}"
     rng = random.Random(0)
     prefill_time(engine, min(prefill_tokens), 1, rng)  # warm-up
     prefill = [(n, prefill_time(engine, n, repeats, rng)) for n in prefill_tokens]
     grid = [[decode_time(engine, b, c, steps, rng) for c in contexts] for b in batches]
-    kv_bytes = sum(p[0].numel() * p.element_size() for p in engine.kv.pools) // engine.kv.spec.page_size
+    kv_bytes = desc.kv_bytes_per_token
     info = {
         "cpu": cpu.model,
         "flags": " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)),
         "threads": str(torch.get_num_threads()),
         "dtype": dtype,
-        "kernel_path": engine.kernel_path,
+        "kernel_path": desc.kernel_path,
     }
     return HardwareProfile(
         name=name,
         source=ProfileSource.MEASURED,
-        model=engine.manifest.source,
+        model=desc.source,
         device=info,
         prefill=prefill,
         decode=DecodeGrid(batches=list(batches), contexts=list(contexts), seconds=grid),

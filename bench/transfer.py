@@ -310,10 +310,11 @@ def exposed(dec: _Decoder, opts: Options, posts: int | None, run: int) -> Exposu
     layers per post (None: nothing is sent before the prefill ends)."""
     tokens = opts.tokens
     engine = _prefill_engine(opts.engine_dir, tokens, opts.chunk, opts.threads)
-    layout = engine_layout(engine)
+    kv = engine.kv_export()
+    layout = engine_layout(kv)
     tag = f"exp{posts or 0}r{run}"
     agent = f"{DECODE_AGENT}-{tag}"
-    side = _pair(dec, tag, layout, engine.kv.pools, engine.progress, posts is not None, posts or 1)
+    side = _pair(dec, tag, layout, kv.pools, kv.progress, posts is not None, posts or 1)
     link = PrefillLink(engine, side)
     forwards = _ForwardEnds()
     engine.attach(forwards)
@@ -442,7 +443,7 @@ def run(a: argparse.Namespace) -> int:
 
 def _cases(opts: Options) -> dict[str, tuple[KVLayoutSpec, int]]:
     probe = LLMEngine(EngineConfig(engine_dir=opts.engine_dir, page_size=16, num_pages=4), load_tokenizer=False)
-    smol = engine_layout(probe)
+    smol = engine_layout(probe.kv_export())
     synthetic = KVLayoutSpec(
         kind=AttentionKind.GQA, num_layers=16, page_size=16, layout=KVLayout.HND, dtype=DType.BFLOAT16,
         kv_heads=8, head_dim=128,

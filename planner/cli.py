@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from planner.gpus import GPUS, DoesNotFit, GpuSpec, Precision, roofline_profile
 from planner.model_shape import ModelShape
 from planner.placement import PrefillPlacement
 from planner.profile import CostModel, HardwareProfile
+from planner.report import ms, row, table
 from planner.search import Evaluated, search, simulate
-from planner.simulator import Deployment, Handover, Mode, Role, SimResult
+from planner.simulator import Deployment, Handover, Mode, Role
 from planner.workload import SLO, Lengths, Workload
 
 
@@ -61,45 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exposed-share", type=float, default=1.0, help="share of the KV transfer not hidden by streaming")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG: goodput per device of every plan")
-
-
-@dataclass(frozen=True, slots=True)
-class Figures:
-    """One simulation's percentiles, placement share, engine busy shares and median TTFT split."""
-
-    ttft_p50: float | None
-    ttft_p99: float | None
-    tpot_p50: float | None
-    tpot_p99: float | None
-    local_share: float
-    utilization: dict[str, float]
-    split_queue: float | None
-    split_prefill: float | None
-    split_transfer: float | None
-    split_handover: float | None
-
-    @classmethod
-    def of(cls, r: SimResult) -> Figures:
-        return cls(
-            r.pct("ttft", 50), r.pct("ttft", 99), r.pct("tpot", 50), r.pct("tpot", 99), r.local_share, r.utilization,
-            r.median("queue"), r.median("prefill"), r.median("transfer"), r.median("handover"),
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRow:
-    label: str
-    mode: str
-    devices: int
-    goodput: float
-    goodput_per_device: float
-    figures: Figures | None  # at its goodput (None: no goodput)
-
-
-def row(ev: Evaluated, res: SimResult | None = None) -> PlanRow:
-    r = res or ev.at_goodput
-    d = ev.deployment
-    return PlanRow(ev.label, d.mode.name.lower(), d.devices, ev.goodput, ev.per_device, Figures.of(r) if r else None)
 
 
 def _hardware(a: argparse.Namespace, role: str) -> HardwareProfile | GpuSpec:
@@ -203,8 +165,8 @@ def run(a: argparse.Namespace) -> int:
             tpot = res.pct("tpot", 50)
             speed = f"{1 / tpot:.0f}" if tpot else "-"
             print(
-                f"[plan] at {a.rate} req/s, {ev.label}: TTFT p50 {_ms(res.pct('ttft', 50))} ms, "
-                f"TPOT p50 {_ms(tpot)} ms ({speed} tok/s per request), SLO {100 * res.attainment(slo):.0f}%"
+                f"[plan] at {a.rate} req/s, {ev.label}: TTFT p50 {ms(res.pct('ttft', 50))} ms, "
+                f"TPOT p50 {ms(tpot)} ms ({speed} tok/s per request), SLO {100 * res.attainment(slo):.0f}%"
             )
         summary["at_rate"] = at
     if a.json is not None:
@@ -217,26 +179,3 @@ def run(a: argparse.Namespace) -> int:
 
         plot_plans(a.plot, rows)
     return 0
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.0f}"
-
-
-def table(rows: list[PlanRow]) -> str:
-    head = ("| plan | devices | goodput (req/s) | per device | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-            "| local prefills | busy | TTFT split q / prefill / transfer / handover (ms) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        f = r.figures
-        if f is None:
-            lines.append(f"| {r.label} | {r.devices} | 0 | 0 | - | - | - | - | - |")
-            continue
-        busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in f.utilization.items())
-        split = " / ".join(_ms(x) for x in (f.split_queue, f.split_prefill, f.split_transfer, f.split_handover))
-        ttft, tpot = f"{_ms(f.ttft_p50)} / {_ms(f.ttft_p99)}", f"{_ms(f.tpot_p50)} / {_ms(f.tpot_p99)}"
-        lines.append(
-            f"| {r.label} | {r.devices} | {r.goodput:.3f} | {r.goodput_per_device:.3f} | {ttft} | {tpot} | "
-            f"{100 * f.local_share:.0f}% | {busy} | {split} |"
-        )
-    return "\n".join(lines)

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from planner.cli import PlanRow
+    from planner.report import PlanRow
 
 COLORS = {"colocated": "tab:orange", "disaggregated": "tab:blue"}
 

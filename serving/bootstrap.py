@@ -38,6 +38,7 @@ from serving.prefill_client import PrefillGroup
 from serving.registry import GroupKey, GroupRecord, Member, Membership, Registry
 from serving.tp_group import GroupChannel, GroupDecodeSide, GroupPrefillSide
 from torch_engine.config import Role
+from torch_engine.connector import ConnectorPort
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
 
@@ -145,7 +146,7 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
     return TPGroup(node.tp_rank, node.tp_size)
 
 
-def _messenger_side(node: NodeConfig, engine: LLMEngine) -> PrefillSide | DecodeSide | None:
+def _messenger_side(node: NodeConfig, engine: ConnectorPort) -> PrefillSide | DecodeSide | None:
     """This rank's messenger side with its own NIXL agent. A decode rank whose engine drafts with MTP
     gets metadata slots (the prefill's last hidden state, one slot per request in transfer, two
     batches' worth; a request that finds none starts without its first draft)."""
@@ -153,17 +154,17 @@ def _messenger_side(node: NodeConfig, engine: LLMEngine) -> PrefillSide | Decode
         return None
     faults = FaultInjector(fail_rate=node.transport.fault_write_fail_rate, seed=node.mpi_rank or 0)
     transport = NixlTransport(node.agent_name, node.transport.backend, faults=faults)
-    t = node.timeouts
+    t, kv = node.timeouts, engine.kv_export()
     if node.role is Role.PREFILL:
         return PrefillSide(
             transport,
-            engine_layout(engine),
-            engine.kv.pools,
-            engine.progress,
-            metadata_bytes(engine),
+            engine_layout(kv),
+            kv.pools,
+            kv.progress,
+            metadata_bytes(kv),
             layers_per_post=node.transport.layers_per_post,
             tombstone_s=t.prefill_tombstone_s,
         )
-    slots = 2 * engine.config.scheduler.max_num_seqs if engine.wants_prefill_hidden else 0
-    meta = metadata_bytes(engine) if slots else 0
-    return DecodeSide(transport, engine_layout(engine), engine.kv.pools, meta, slots, grace_s=t.fence_grace_s)
+    slots = 2 * node.engine.scheduler.max_num_seqs if engine.wants_prefill_hidden else 0
+    meta = metadata_bytes(kv) if slots else 0
+    return DecodeSide(transport, engine_layout(kv), kv.pools, meta, slots, grace_s=t.fence_grace_s)

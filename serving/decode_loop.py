@@ -31,8 +31,8 @@ Callback = Callable[[RequestOutput], None]
 
 
 class KVSource(Protocol):
-    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
-        """Take the request (True), or leave it to the engine (False); raises InvalidRequestError."""
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Take the request: it prefills it here or elsewhere (raises InvalidRequestError)."""
         ...
 
     def tick(self) -> list[tuple[str, str]]:
@@ -107,12 +107,9 @@ class DecodeLoop(ServingLoop[_Submit | str]):
                 self._stepped = True  # pages changed: report now
             return
         try:
-            split = (
-                self.kv is not None
-                and isinstance(item.prompt, list)
-                and self.kv.admit(item.request_id, item.prompt, item.params)
-            )
-            if not split:
+            if self.kv is not None and isinstance(item.prompt, list):
+                self.kv.admit(item.request_id, item.prompt, item.params)
+            else:
                 self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
         except InvalidRequestError as exc:
             error = RequestOutput(

@@ -2,10 +2,11 @@
 
 ``KVFetcher`` is the ``KVSource`` of the decode node's ``DecodeLoop``. Per request:
 
+    admit: one engine call (``admit_for_kv``: validate, report load, place, reserve + pin) ──
     admit ──one-token prompt, or the placement rule says prefill here (planner/placement.py), or (auto)
           no prefill group is in rotation──> the engine
     admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below
-    admit ──reserve + pin pages, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
+    admit ──reserved + pinned, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
     SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
     SENT ──the call timed out / broke (the group may have taken it)──> the epoch is abandoned (its
           senders told to abort, its pages fenced) -> another group on fresh pages, or on the same
@@ -34,7 +35,15 @@ from serving.registry import Membership
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupDecodeSide
 from serving.trace import Tracer
-from torch_engine.engine import LLMEngine
+from torch_engine.connector import (
+    Accepted,
+    ConnectorPort,
+    EngineLoad,
+    Placement,
+    RefusalReason,
+    Refused,
+    Reserved,
+)
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,7 +66,7 @@ class _Pending:
 class KVFetcher:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: ConnectorPort,
         side: GroupDecodeSide,
         groups: list[PrefillGroup],
         kv_timeout_s: float,
@@ -91,22 +100,30 @@ class KVFetcher:
         self._queued: deque[_Queued] = deque()  # admitted, waiting for free pages to reserve
 
     # -- KVSource ------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
-        if len(prompt_ids) < 2:
-            return False  # nothing to prefill: the decoder runs the single token itself
-        self.engine.check_prompt(prompt_ids)  # one that can never fit fails now, not after a wait
-        if self._local(request_id, len(prompt_ids)):
-            return False
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """One engine call (``admit_for_kv``): validated, placed by the placement rule, and either
+        queued on this engine, reserved and sent, or queued here for pages (in arrival order).
+        ``InvalidRequestError`` when the engine can never take it, or no prefill group can."""
+        adm = self.engine.admit_for_kv(prompt_ids, params, request_id, lambda load, n: self._place(request_id, load, n))
+        match adm:
+            case Reserved():
+                self._start(adm, prompt_ids)
+            case Refused(reason=RefusalReason.INVALID):
+                raise InvalidRequestError(adm.message)
+            case Accepted(placement=Placement.LOCAL):
+                pass  # the engine prefills it itself
+            case Refused() | Accepted():  # no room now, or behind requests waiting for pages
+                self._queued.append(_Queued(request_id, prompt_ids, params))
+
+    def _place(self, request_id: str, load: EngineLoad, prompt_tokens: int) -> Placement:
+        if self._local(request_id, prompt_tokens, load):
+            return Placement.LOCAL
         self.remote_prefills += 1
         if self.tracer is not None:
-            self.tracer.mark(request_id, "arrived", prompt_tokens=len(prompt_ids))
-        if self._queued or not self.engine.can_reserve(len(prompt_ids) - 1):
-            self._queued.append(_Queued(request_id, prompt_ids, params))  # waits for pages, in order
-            return True
-        self._start(request_id, prompt_ids, params)
-        return True
+            self.tracer.mark(request_id, "arrived", prompt_tokens=prompt_tokens)
+        return Placement.HOLD if self._queued else Placement.REMOTE
 
-    def _local(self, request_id: str, prompt_tokens: int) -> bool:
+    def _local(self, request_id: str, prompt_tokens: int, load: EngineLoad) -> bool:
         """The placement rule: prefill this prompt on this engine (True) or at a prefill group."""
         mode = self.placement.mode
         if mode is PrefillPlacement.REMOTE:
@@ -115,7 +132,6 @@ class KVFetcher:
         if self._costs is None or not groups:  # LOCAL; or AUTO with every prefill group down: serve it here
             local, est = True, None
         else:
-            load = self.engine.load()
             queue = min(self.router.load(g) for g in groups)
             x = PlacementInputs(prompt_tokens, load.decoding, load.mean_context, load.prefill_tokens, queue, load.chunk)
             est = decide(x, *self._costs, self.placement.overhead_s, mode)
@@ -129,29 +145,26 @@ class KVFetcher:
             )  # fmt: skip
         return local
 
-    def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _start(self, reserved: Reserved, prompt_ids: list[int]) -> None:
+        rid = reserved.request_id
         try:
             g = self.router.pick()
         except NoPrefillGroup as exc:
+            self.link.cancel(reserved)
             raise InvalidRequestError(str(exc)) from None
         try:
             agents = self.groups[g].agents
             meta = self.engine.wants_prefill_hidden  # an MTP drafter drafts its first step from it
-            req = self.link.start(prompt_ids, params, request_id, _seed(request_id), meta, agents)
+            req = self.link.start(reserved, prompt_ids, _seed(rid), meta, agents)
         except ValueError as exc:
-            raise InvalidRequestError(f"request {request_id}: {exc}") from None
-        self._pending[request_id] = _Pending(g, req.epoch, {g})
+            raise InvalidRequestError(f"request {rid}: {exc}") from None
+        self._pending[rid] = _Pending(g, req.epoch, {g})
         self._send(g, req)
 
     def tick(self) -> list[tuple[str, str]]:
         failures = self._membership() if self.membership is not None else []
         failures += self._replies_in()
-        while self._queued and self.engine.can_reserve(len(self._queued[0].prompt_ids) - 1):
-            q = self._queued.popleft()
-            try:
-                self._start(q.request_id, q.prompt_ids, q.params)
-            except InvalidRequestError as exc:
-                failures.append((q.request_id, str(exc)))
+        failures += self._drain()
         polled = self.link.poll()
         for req in self.link.retries():  # failovers whose fence lifted
             p = self._pending.get(req.request_id)
@@ -169,6 +182,27 @@ class KVFetcher:
             if p is not None:
                 self.router.finished(p.group, rid)
             failures.append((rid, error))
+        return failures
+
+    def _drain(self) -> list[tuple[str, str]]:
+        """Start queued requests, in order, while the engine has pages for them."""
+        failures: list[tuple[str, str]] = []
+        while self._queued:
+            q = self._queued[0]
+            adm = self.engine.admit_for_kv(q.prompt_ids, q.params, q.request_id, _remote)
+            if isinstance(adm, Refused) and adm.reason is RefusalReason.NO_ROOM:
+                break
+            self._queued.popleft()
+            match adm:
+                case Reserved():
+                    try:
+                        self._start(adm, q.prompt_ids)
+                    except InvalidRequestError as exc:
+                        failures.append((q.request_id, str(exc)))
+                case Refused():
+                    failures.append((q.request_id, adm.message))
+                case Accepted():
+                    pass  # a one-token prompt: the engine runs it
         return failures
 
     def busy(self) -> bool:
@@ -287,6 +321,11 @@ class KVFetcher:
             self.callers[g] = self._caller(self.groups[g], self._call_timeout_s, self._replies)
             self.router.rejoin(g)
         return failures
+
+
+def _remote(load: EngineLoad, prompt_tokens: int) -> Placement:
+    """A queued request was placed when it arrived: reserve its pages now."""
+    return Placement.REMOTE
 
 
 def _seed(request_id: str) -> int:

@@ -1,17 +1,17 @@
 """The KV connectors: glue between an ``LLMEngine`` and a messenger side, through the engine's
 port (``torch_engine/connector.py``: admit, before step, around the step, poll). The engine never
-imports the messenger, and these links use only the engine's public methods.
+imports the messenger, and these links see the engine only as a ``ConnectorPort``.
 
 ``PrefillLink`` (prefill node, TP leader or TP 1): turns ``PrefillRequest``s into prefill-only
 engine requests, tells the messenger which chunks each step runs (``before_step``, before the
 forward pass), pins the source pages while they are being sent, hands over the last hidden
 state (for the decoder's MTP drafter), and releases the pages when every write completed.
 
-``DecodeLink`` (decode node): reserves and pins destination pages, tells the messenger what to
-expect, builds the ``PrefillRequest`` to send, and each step moves requests whose KV landed
-into the batch (``kv_ready``, with the prefill's last hidden state when it asked for it) or
-fails them (``kv_failed``). Pages of a failed request return
-to the pool only when the messenger says no write can still land.
+``DecodeLink`` (decode node): takes over the pages the engine's admission reserved and pinned
+(``Reserved``), tells the messenger what to expect, builds the ``PrefillRequest`` to send, and
+each step moves requests whose KV landed into the batch (``kv_ready``, with the prefill's last
+hidden state when it asked for it) or fails them (``kv_failed``). Pages of a failed request
+return to the pool only when the messenger says no write can still land.
 
 Each link keeps one record per live request and drops it when the request leaves the link.
 """
@@ -28,37 +28,36 @@ from kv_messenger.layout import AttentionKind, KVLayoutSpec
 from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest
 from torch_engine.config import DType
-from torch_engine.connector import ConnectorPoll
-from torch_engine.engine import LLMEngine
+from torch_engine.connector import ConnectorPoll, ConnectorPort, KVExport, Reserved
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
-from torch_engine.sampling import InvalidRequestError, SamplingParams
+from torch_engine.sampling import InvalidRequestError
 from torch_engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from serving.tp_group import GroupDecodeSide, GroupPrefillSide
 
 
-def engine_layout(engine: LLMEngine) -> KVLayoutSpec:
-    """The messenger's view of an engine's KV pools."""
-    spec, mc = engine.kv.spec, engine.manifest.model
+def engine_layout(kv: KVExport) -> KVLayoutSpec:
+    """The messenger's descriptor of an engine's KV pools (``ConnectorPort.kv_export``)."""
+    spec = kv.spec
     return KVLayoutSpec(
         kind=AttentionKind.MLA if spec.is_mla else AttentionKind.GQA,
         num_layers=spec.num_layers,
         page_size=spec.page_size,
         layout=spec.layout,
         dtype=DType.of(spec.dtype),
-        tp_size=engine.tp.size,
-        tp_rank=engine.tp.rank,
+        tp_size=kv.tp_size,
+        tp_rank=kv.tp_rank,
         latent_dim=spec.latent_dim if spec.is_mla else 0,
-        kv_heads=0 if spec.is_mla else mc.num_kv_heads,
+        kv_heads=0 if spec.is_mla else kv.kv_heads,
         head_dim=0 if spec.is_mla else spec.head_dim,
     )
 
 
-def metadata_bytes(engine: LLMEngine) -> int:
+def metadata_bytes(kv: KVExport) -> int:
     """Size of the metadata a prefill hands over: its last position's final hidden state, fp32
     (what an MTP drafter on the decoder needs to draft in its first step)."""
-    return engine.manifest.model.hidden_size * 4
+    return kv.hidden_size * 4
 
 
 @dataclass(slots=True)
@@ -72,7 +71,7 @@ class _Source:
 class PrefillLink:
     """Prefill-side connector (``KVConnector[list[PrefillOutcome]]``)."""
 
-    def __init__(self, engine: LLMEngine, side: PrefillSide | GroupPrefillSide) -> None:
+    def __init__(self, engine: ConnectorPort, side: PrefillSide | GroupPrefillSide) -> None:
         self.engine = engine
         self.side = side
         self._jobs: dict[str, _Source] = {}
@@ -176,7 +175,7 @@ class DecodeLink:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: ConnectorPort,
         side: DecodeSide | GroupDecodeSide,
         prefill_agents: list[str] | None = None,
         timeout_s: float = 30.0,
@@ -190,27 +189,33 @@ class DecodeLink:
         self._jobs: dict[str, _Destination] = {}
         self._retries: list[PrefillRequest] = []  # failovers whose fence lifted: to send
         self.fenced_pages = 0  # pages held by abandoned epochs (a gauge, read every report)
+        self._meta_bytes = metadata_bytes(engine.kv_export())
 
     def start(
         self,
+        reserved: Reserved,
         prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
         seed: int = 0,
         meta: bool = False,
         prefill_agents: list[str] | None = None,
     ) -> PrefillRequest:
-        """Reserve pages and start counting; returns the request to send to the prefill node."""
-        rid, pages = self.engine.reserve_for_kv(prompt_ids, params, request_id)
-        self.engine.pin_pages(pages)  # held until no write can land, whatever the engine does
+        """Take over the pages the engine's admission reserved and pinned (held until no write can
+        land, whatever the engine does) and start counting; returns the request to send to the
+        prefill node. ``ValueError`` (e.g. senders not connected): nothing was sent, the reservation
+        is undone."""
+        rid = reserved.request_id
         slot = self._slots.pop() if meta and self._slots else None
-        self._jobs[rid] = _Destination(pages, list(prompt_ids), slot=slot, seed=seed)
+        self._jobs[rid] = _Destination(list(reserved.pages), list(prompt_ids), slot=slot, seed=seed)
         try:
             return self._expect(rid, prefill_agents or self.prefill_agents)
-        except ValueError:  # e.g. senders not connected: nothing was sent, undo the reservation
+        except ValueError:
             self._drop(rid)
-            self.engine.retire(rid)
             raise
+
+    def cancel(self, reserved: Reserved) -> None:
+        """Undo a reservation that was never started (no group to send it to)."""
+        self.engine.unpin_pages(reserved.pages)
+        self.engine.retire(reserved.request_id)
 
     def retarget(self, request_id: str, prefill_agents: list[str]) -> PrefillRequest:
         """The prefill request provably never reached its group (it was refused, or the connection
@@ -297,7 +302,7 @@ class DecodeLink:
             job = self._jobs.get(rid)
             hidden = None
             if job is not None and job.slot is not None:  # the prefill's last hidden state: the first draft
-                hidden = self.side.meta_slot(job.slot)[: metadata_bytes(self.engine)].view(torch.float32).clone()
+                hidden = self.side.meta_slot(job.slot)[: self._meta_bytes].view(torch.float32).clone()
             self._hand_on(rid)
             self.engine.kv_ready(rid, hidden)
         for rid, error in polled.failed:
@@ -353,3 +358,4 @@ class DecodeLink:
     def _drop(self, rid: str) -> None:
         """Undo a reservation that never went out."""
         self._hand_on(rid)
+        self.engine.retire(rid)

@@ -72,7 +72,8 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         on_report: ReportHook | None = None,
     ) -> PrefillLoop:
         """A TP-1 prefill node whose decode peers connect by ``handshake``."""
-        local = PrefillSide(transport, engine_layout(engine), engine.kv.pools, engine.progress, metadata_bytes(engine))
+        kv = engine.kv_export()
+        local = PrefillSide(transport, engine_layout(kv), kv.pools, kv.progress, metadata_bytes(kv))
         return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done, on_report=on_report)
 
     def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:

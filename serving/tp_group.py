@@ -30,9 +30,9 @@ import torch
 from kv_messenger.decode_side import DecodePoll, DecodeSide
 from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
-from torch_engine.engine import LLMEngine
-from torch_engine.model_runner import StepInputs
+from torch_engine.connector import FollowerPort
 from torch_engine.parallel import TPGroup
+from torch_engine.steps import StepInputs
 
 
 # -- commands (leader -> followers) ----------------------------------------------------------
@@ -110,9 +110,9 @@ class GroupChannel:
     """Leader end of the tick protocol. With TP 1 every method is free."""
 
     def __init__(
-        self, engine: LLMEngine, idle_tick_s: float = 0.001, heartbeat_s: float = 1.0, on_steps: bool = True
+        self, engine: FollowerPort, idle_tick_s: float = 0.001, heartbeat_s: float = 1.0, on_steps: bool = True
     ) -> None:
-        self.tp: TPGroup = engine.tp
+        self.tp: TPGroup = engine.tp_group()
         self.idle_tick_s = idle_tick_s
         self.heartbeat_s = heartbeat_s
         self._pending: list[Command] = []
@@ -349,9 +349,10 @@ class GroupDecodeSide:
         return DecodePoll(ready, failed, releasable, lifted)
 
 
-def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> None:
+def run_follower(engine: FollowerPort, side: PrefillSide | DecodeSide | None) -> None:
     """A TP follower's life: apply the leader's commands to this rank's side, run each step, report."""
-    rank = engine.tp.rank
+    tp = engine.tp_group()
+    rank = tp.rank
 
     def on_tick(msg: object) -> None:
         if not isinstance(msg, GroupTick):
@@ -369,7 +370,7 @@ def run_follower(engine: LLMEngine, side: PrefillSide | DecodeSide | None) -> No
             polled = side.poll()
             report.ready, report.failed, report.releasable = polled.ready, polled.failed, polled.releasable
             report.lifted = polled.lifted
-        engine.tp.gather_object(report)
+        tp.gather_object(report)
 
     engine.run_follower(on_tick)
 

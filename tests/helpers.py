@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from builders import BuildOptions, build_engine
+from kv_messenger.protocol import PrefillRequest
+from serving.kv_links import DecodeLink
 from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
+from torch_engine.connector import Placement, RefusalReason, Refused, Reserved
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
+from torch_engine.sampling import SamplingParams
 from torch_engine.tokenizer import Tokenizer
 
 _COMMON: dict[str, Any] = {
@@ -263,3 +268,47 @@ def smollm2_prompts(tok: Tokenizer) -> list[list[int]]:
         tok.encode("def fibonacci(n):"),
         tok.encode("Explain in one sentence why the sky is blue.", chat=True),
     ]
+
+
+_reservations = itertools.count()
+
+
+def try_reserve(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, request_id: str | None = None
+) -> tuple[str, list[int]] | None:
+    """The decode half of a split request on a bare engine (no connector): the engine's admission
+    reserves and pins pages for ``prompt[:-1]``; the connector's hold is let go at once, so the pages
+    are pinned only until ``kv_ready``. None when the pool has too few free pages now."""
+    rid = request_id if request_id is not None else f"kv-{next(_reservations)}"
+    adm = engine.admit_for_kv(prompt, params, rid, lambda load, n: Placement.REMOTE)
+    if isinstance(adm, Refused) and adm.reason is RefusalReason.NO_ROOM:
+        return None
+    assert isinstance(adm, Reserved), adm
+    engine.unpin_pages(adm.pages)
+    return rid, adm.pages
+
+
+def reserve(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, request_id: str | None = None
+) -> tuple[str, list[int]]:
+    got = try_reserve(engine, prompt, params, request_id)
+    assert got is not None, "not enough free pages to reserve"
+    return got
+
+
+def copy_pages(dst: LLMEngine, src: LLMEngine, src_pages: list[int], dst_pages: list[int]) -> None:
+    """Copy whole pages of every layer between two engines' KV (stands in for the messenger)."""
+    assert len(src_pages) == len(dst_pages)
+    s, d = torch.tensor(src_pages, dtype=torch.long), torch.tensor(dst_pages, dtype=torch.long)
+    for mine, theirs in zip(dst.kv_export().pools, src.kv_export().pools, strict=True):
+        mine[d] = theirs[s]
+
+
+def start_split(
+    link: DecodeLink, prompt: list[int], params: SamplingParams, request_id: str, seed: int = 0, meta: bool = False
+) -> PrefillRequest:
+    """A decode link's request as a decode node starts it: the engine's admission reserves and pins
+    its pages, the link takes them over; returns the request to send to the prefill node."""
+    adm = link.engine.admit_for_kv(prompt, params, request_id, lambda load, n: Placement.REMOTE)
+    assert isinstance(adm, Reserved), adm
+    return link.start(adm, prompt, seed, meta)

@@ -99,9 +99,100 @@ def test_the_engine_has_no_public_allocator_requests_or_runner() -> None:
     from torch_engine.engine import LLMEngine
 
     src = (ROOT / "torch_engine" / "engine.py").read_text(encoding="utf-8")
-    for name in ("allocator", "requests", "runner", "scheduler"):
+    for name in ("allocator", "requests", "runner", "scheduler", "kv", "progress", "model", "manifest", "tp"):
         assert f"self.{name} " not in src and f"self.{name}=" not in src, name
         assert not hasattr(LLMEngine, name), name
+
+
+def test_an_engine_has_no_public_state(tiny_engine_dir) -> None:
+    """Everything an engine shows is a method or a property of its port: no public instance attribute."""
+    from tests.helpers import tiny_engine
+
+    engine = tiny_engine(tiny_engine_dir("llama"))
+    assert [k for k in vars(engine) if not k.startswith("_")] == []
+
+
+def _engine_holder(node: ast.expr) -> bool:
+    """``engine``, ``eng``, ``self.engine``, ``rank.engine``: the names that hold an engine outside it."""
+    if isinstance(node, ast.Name):
+        return node.id in ("engine", "eng")
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+        node.attr == "engine" and node.value.id in ("self", "rank")
+    )  # fmt: skip
+
+
+def test_nothing_outside_the_engine_reads_more_than_its_port() -> None:
+    """Every attribute read on an engine outside ``torch_engine/`` is a method or property of
+    ``LLMEngine``'s port (connector, follower, client and monitor calls, ``describe``)."""
+    from torch_engine.engine import LLMEngine
+
+    public = {n for n in dir(LLMEngine) if not n.startswith("_")}
+    hits = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for pkg in (*PACKAGES, "tests")
+        if pkg != "torch_engine"
+        for path in _sources(pkg)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and _engine_holder(node.value) and node.attr not in public
+    ]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_links_and_tp_glue_see_the_engine_through_its_protocols_only() -> None:
+    for module in ("kv_links", "decode_path", "tp_group"):
+        assert "torch_engine.engine" not in _imports_full(ROOT / "serving" / f"{module}.py"), module
+
+
+def _imports_full(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circle_in_the_tree() -> None:
+    """No module reaches itself through imports (module-level, in functions, or for type checking)."""
+    modules = {_module_name(p): p for pkg in PACKAGES for p in _sources(pkg)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        graph[name] = {t for t in map(resolve, targets) if t is not None and t != name}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                circles.append(" -> ".join([*path[path.index(m) :], m]))
+            elif m not in state:
+                visit(m, [*path, m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not circles, "; ".join(circles)
 
 
 def _function_lengths(path: Path) -> list[tuple[str, int]]:

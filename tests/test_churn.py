@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.helpers import tiny_engine
+from tests.helpers import tiny_engine, try_reserve
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import FinishReason, RequestKind, RequestState
@@ -32,8 +32,9 @@ def test_random_requests_and_cancellations_free_every_page(drafter: str, tiny_en
             prompt = prompt_of(rng.randrange(1, 60), submitted)
             params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.8]), seed=submitted)
             roll = rng.random()
-            if roll < 0.1 and len(prompt) > 1 and engine.can_reserve(len(prompt)):
-                rid, _ = engine.reserve_for_kv(prompt, params)
+            reserved = try_reserve(engine, prompt, params) if roll < 0.1 and len(prompt) > 1 else None
+            if reserved is not None:
+                rid = reserved[0]
                 kinds[rid] = RequestKind.DECODE_FROM_KV
             elif roll < 0.2:
                 rid = engine.add_request(prompt, params, kind=RequestKind.PREFILL_ONLY)

@@ -55,7 +55,7 @@ def test_decode_graphs_equal_eager_and_count_layers(tiny_engine_dir) -> None:
     assert graphs is not None and graphs.replays > 0  # batches of 5, 4, ... shrinking as requests end
     if helpers.PATH.device == "cuda":
         assert graphs.captured > 0
-    assert engine.progress.snapshot() == [steps.n] * engine.manifest.model.num_layers  # one bump per step
+    assert engine.kv_export().progress.snapshot() == [steps.n] * engine.describe().model.num_layers  # one bump per step
     assert engine.page_stats().used == 0
 
 

@@ -70,8 +70,8 @@ def test_hnd_equals_nhd(page_size: int, tiny_engine_dir) -> None:
     assert t1 == t2
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
     # the same KV, laid out differently: HND pages are [head, k/v, token, dim], NHD [token, head, k/v, dim]
-    assert hnd.kv.pools[0].shape[1:] == (4, 2, page_size, 8)
-    assert nhd.kv.pools[0].shape[1:] == (page_size, 4, 2, 8)
+    assert hnd.kv_export().pools[0].shape[1:] == (4, 2, page_size, 8)
+    assert nhd.kv_export().pools[0].shape[1:] == (page_size, 4, 2, 8)
 
 
 def test_sampling_is_seeded_per_request(tiny_engine_dir) -> None:

@@ -11,7 +11,7 @@ from kv_messenger.decode_side import DecodeSide
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport import MemoryFabric
 from serving.kv_links import DecodeLink, PrefillLink, engine_layout, metadata_bytes
-from tests.helpers import mtp_reference, tiny_engine
+from tests.helpers import mtp_reference, start_split, tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import RequestKind
@@ -23,9 +23,19 @@ def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, decode_spec=None, *
     prefill = tiny_engine(tiny_engine_dir(kind), **prefill_kw)
     decode = tiny_engine(tiny_engine_dir(kind), speculative=decode_spec)
     pside = PrefillSide(
-        fabric.agent("p0"), engine_layout(prefill), prefill.kv.pools, prefill.progress, metadata_bytes(prefill)
+        fabric.agent("p0"),
+        engine_layout(prefill.kv_export()),
+        prefill.kv_export().pools,
+        prefill.kv_export().progress,
+        metadata_bytes(prefill.kv_export()),
     )
-    dside = DecodeSide(fabric.agent("d0"), engine_layout(decode), decode.kv.pools, metadata_bytes(decode), 8)
+    dside = DecodeSide(
+        fabric.agent("d0"),
+        engine_layout(decode.kv_export()),
+        decode.kv_export().pools,
+        metadata_bytes(decode.kv_export()),
+        8,
+    )
     pside.connect([dside.endpoint()])
     dside.connect([pside.endpoint()])
     return prefill, decode, PrefillLink(prefill, pside), DecodeLink(decode, dside, ["p0"], timeout_s=30), pside
@@ -37,7 +47,7 @@ def run_split(prefill, decode, plink, dlink, pside, prompts, params, meta: bool)
     try:
         ids = []
         for i, prompt in enumerate(prompts):
-            req = dlink.start(prompt, params, f"r{i}", seed=i, meta=meta)
+            req = start_split(dlink, prompt, params, f"r{i}", seed=i, meta=meta)
             plink.submit(req)
             ids.append(req.request_id)
         for _ in range(2000):
@@ -77,7 +87,7 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
 def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     _, decode, plink, dlink, pside = linked("llama", tiny_engine_dir, MemoryFabric())
     dlink.timeout_s = 0.2
-    dlink.start(prompt_of(30, 1), SamplingParams(max_tokens=4), "lost")  # never sent to the prefill
+    start_split(dlink, prompt_of(30, 1), SamplingParams(max_tokens=4), "lost")  # never sent to the prefill
     used = decode.page_stats().used
     assert used > 0
     time.sleep(0.3)
@@ -90,7 +100,7 @@ def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:
     assert decode.page_stats().used == 0
     pside.start()
     try:
-        req = dlink.start(prompt_of(12, 2), SamplingParams(max_tokens=3), "next")
+        req = start_split(dlink, prompt_of(12, 2), SamplingParams(max_tokens=3), "next")
         plink.submit(req)
         while not (decode.has_request("next") and decode.request("next").finished):
             plink.step()
@@ -105,7 +115,7 @@ def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None
     prefill, decode, plink, dlink, pside = linked("llama", tiny_engine_dir, MemoryFabric())
     dlink.timeout_s = 0.5
     pside.transport.faults.drop_next = 1  # the first KV transfer is lost
-    plink.submit(dlink.start(prompt_of(25, 3), SamplingParams(max_tokens=4), "victim"))
+    plink.submit(start_split(dlink, prompt_of(25, 3), SamplingParams(max_tokens=4), "victim"))
     healthy_prompt = prompt_of(10, 4)
     pside.start()
     try:
@@ -120,7 +130,7 @@ def test_dropped_write_fails_request_and_reclaims_pages(tiny_engine_dir) -> None
         while decode.page_stats().used and time.monotonic() < deadline:  # FIN came: pages are reclaimable
             dlink.poll()
         assert decode.page_stats().used == 0
-        plink.submit(dlink.start(healthy_prompt, SamplingParams(max_tokens=5), "after"))
+        plink.submit(start_split(dlink, healthy_prompt, SamplingParams(max_tokens=5), "after"))
         while not (decode.has_request("after") and decode.request("after").finished):
             plink.step()
             dlink.poll()

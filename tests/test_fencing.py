@@ -36,7 +36,7 @@ from serving.prefill_client import Delivery, PrefillGroup, Reply
 from serving.prefill_loop import PrefillLoop
 from serving.tp_group import GroupChannel, GroupDecodeSide
 from serving.trace import Tracer
-from tests.helpers import tiny_engine
+from tests.helpers import start_split, tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason, RequestOutput
@@ -141,7 +141,14 @@ def cluster(
     fabric = MemoryFabric()
     kind = tiny_engine_dir("llama")
     decode = tiny_engine(kind, num_pages=decode_pages)
-    dside = DecodeSide(fabric.agent("d0"), engine_layout(decode), decode.kv.pools, metadata_bytes(decode), 4, grace_s)
+    dside = DecodeSide(
+        fabric.agent("d0"),
+        engine_layout(decode.kv_export()),
+        decode.kv_export().pools,
+        metadata_bytes(decode.kv_export()),
+        4,
+        grace_s,
+    )
     prefills, transports = [], []
     for g in range(groups):
         t = fabric.agent(f"p{g}")
@@ -170,7 +177,7 @@ def failures_of(link: DecodeLink, timeout_s: float = 5.0) -> list[tuple[str, str
 
 
 def snapshot(engine: LLMEngine) -> list[torch.Tensor]:
-    return [p.clone() for p in engine.kv.pools]
+    return [p.clone() for p in engine.kv_export().pools]
 
 
 def changed_pages(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:
@@ -252,7 +259,7 @@ def test_a_prompt_larger_than_every_prefill_pool_fails_fast_with_the_reason(tiny
     fabric = MemoryFabric()
     kind = tiny_engine_dir("llama")
     decode = tiny_engine(kind)
-    dside = DecodeSide(fabric.agent("d0"), engine_layout(decode), decode.kv.pools)
+    dside = DecodeSide(fabric.agent("d0"), engine_layout(decode.kv_export()), decode.kv_export().pools)
     small = PrefillLoop.standalone(tiny_engine(kind, num_pages=4), fabric.agent("p0"))  # 16 tokens at most
     small.handshake([dside.endpoint()])
     dside.connect([small.side.endpoint()])
@@ -287,8 +294,14 @@ def linked(tiny_engine_dir, ttl_s: float = 30.0, grace_s: float = 30.0):
     kind = tiny_engine_dir("llama")
     prefill, decode = tiny_engine(kind, chunk=8, budget=16), tiny_engine(kind)
     pt, dt = fabric.agent("p0"), fabric.agent("d0")
-    pside = PrefillSide(pt, engine_layout(prefill), prefill.kv.pools, prefill.progress, metadata_bytes(prefill))
-    dside = DecodeSide(dt, engine_layout(decode), decode.kv.pools, grace_s=grace_s)
+    pside = PrefillSide(
+        pt,
+        engine_layout(prefill.kv_export()),
+        prefill.kv_export().pools,
+        prefill.kv_export().progress,
+        metadata_bytes(prefill.kv_export()),
+    )
+    dside = DecodeSide(dt, engine_layout(decode.kv_export()), decode.kv_export().pools, grace_s=grace_s)
     pside.connect([dside.endpoint()])
     dside.connect([pside.endpoint()])
     loop = PrefillLoop(prefill, GroupPrefillSideFor(pside, prefill))
@@ -305,7 +318,7 @@ def test_a_refusal_after_the_call_reaches_the_decoder_at_once_with_its_reason(ti
     _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir)
     try:
         pt.faults.stall_next = 10**6
-        req = dlink.start(prompt_of(20, 1), GREEDY, "dup")
+        req = start_split(dlink, prompt_of(20, 1), GREEDY, "dup")
         loop.submit(req)
         wait_for(lambda: pt.faults.stalled >= 1, what="the first write")
         loop.submit(req)  # delivered twice (a retried call): the call is accepted, the engine refuses it
@@ -324,7 +337,7 @@ def test_a_refusal_after_the_call_reaches_the_decoder_at_once_with_its_reason(ti
 def test_an_abort_before_the_request_arrives_is_confirmed_and_the_late_request_refused(tiny_engine_dir) -> None:
     _, prefill, decode, loop, dlink, _, dside = linked(tiny_engine_dir)
     try:
-        req = dlink.start(prompt_of(20, 1), GREEDY, "early")
+        req = start_split(dlink, prompt_of(20, 1), GREEDY, "early")
         dlink.abort("early")  # the client went away before the prefill request was delivered
         wait_for(lambda: (dlink.poll(), dlink.live() == 0)[1], timeout_s=5, what="the prefill's confirmation")
         before = snapshot(decode)  # the pages are free again (not after a grace period: confirmed)
@@ -342,7 +355,7 @@ def test_a_vanished_decoder_costs_the_prefill_node_nothing_past_its_deadline(tin
     fabric, prefill, _, loop, dlink, pt, _ = linked(tiny_engine_dir, ttl_s=1.0)
     try:
         pt.faults.stall_next = 10**6  # the decoder stops answering: every write hangs
-        loop.submit(dlink.start(prompt_of(30, 1), GREEDY, "orphan"))
+        loop.submit(start_split(dlink, prompt_of(30, 1), GREEDY, "orphan"))
         wait_for(lambda: pt.faults.stalled >= 1, what="the first write")
         assert prefill.page_stats().used > 0
         t0 = time.monotonic()
@@ -351,7 +364,7 @@ def test_a_vanished_decoder_costs_the_prefill_node_nothing_past_its_deadline(tin
         # a decoder whose agent is gone: the writes fail and the pages come back at once
         pt.faults.stall_next = 0
         fabric.agents.pop("d0")
-        loop.submit(dlink.start(prompt_of(30, 2), GREEDY, "gone"))
+        loop.submit(start_split(dlink, prompt_of(30, 2), GREEDY, "gone"))
         wait_for(lambda: loop.live() == 0 and prefill.page_stats().used == 0, timeout_s=2, what="failed writes")
     finally:
         loop.stop()
@@ -361,13 +374,13 @@ def test_a_failed_write_fails_the_request_at_once_and_the_next_is_fine(tiny_engi
     _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir)
     try:
         pt.faults.fail_next = 1
-        loop.submit(dlink.start(prompt_of(30, 1), GREEDY, "f"))
+        loop.submit(start_split(dlink, prompt_of(30, 1), GREEDY, "f"))
         t0 = time.monotonic()
         dlink_failed = failures_of(dlink)
         assert time.monotonic() - t0 < 2.0 and "prefill stopped after" in dlink_failed[0][1]  # not the 30 s timeout
         wait_for(lambda: (dlink.poll(), dlink.live() == 0)[1], what="the pages")
         prompt = prompt_of(14, 2)
-        loop.submit(dlink.start(prompt, GREEDY, "next"))
+        loop.submit(start_split(dlink, prompt, GREEDY, "next"))
         wait_for(lambda: "next" in dlink.poll().ready, what="the next request's KV")
         while decode.has_unfinished():
             decode.step()
@@ -398,7 +411,7 @@ def test_two_decode_nodes_sending_the_same_client_id_to_one_prefill_node(tiny_en
     links, engines = [], []
     for d in range(2):
         eng = tiny_engine(kind)
-        side = DecodeSide(fabric.agent(f"d{d}"), engine_layout(eng), eng.kv.pools)
+        side = DecodeSide(fabric.agent(f"d{d}"), engine_layout(eng.kv_export()), eng.kv_export().pools)
         loop.handshake([side.endpoint()])
         side.connect([loop.side.endpoint()])
         links.append(DecodeLink(eng, side, ["p0"]))
@@ -407,7 +420,7 @@ def test_two_decode_nodes_sending_the_same_client_id_to_one_prefill_node(tiny_en
         prompt = prompt_of(25, 4)
         ids = [RequestIds(f"decode{d}").next("client-7") for d in range(2)]
         for link, rid in zip(links, ids, strict=True):
-            loop.submit(link.start(prompt, GREEDY, rid))
+            loop.submit(start_split(link, prompt, GREEDY, rid))
         for link, eng, rid in zip(links, engines, ids, strict=True):
             wait_for(partial(lambda lk, r: r in lk.poll().ready, link, rid), what="both transfers")
             while eng.has_unfinished():
@@ -473,7 +486,7 @@ def test_writes_delayed_past_the_decoders_deadline_land_only_in_pages_still_held
     _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir, ttl_s=0.5)
     try:
         pt.faults.stall_next = 10**6  # the network holds every write
-        req = dlink.start(prompt_of(30, 1), GREEDY, "late")
+        req = start_split(dlink, prompt_of(30, 1), GREEDY, "late")
         loop.submit(req.model_copy(update={"ttl_s": 30.0}))  # the prefill's own deadline is far away
         wait_for(lambda: pt.faults.stalled >= 1, what="the first write")
         failed = failures_of(dlink)
@@ -494,12 +507,12 @@ def test_writes_delayed_past_the_decoders_deadline_land_only_in_pages_still_held
 def test_a_prefill_rank_writes_only_to_decode_ranks_it_shook_hands_with(tiny_engine_dir) -> None:
     _, _, decode, loop, dlink, pt, _ = linked(tiny_engine_dir)
     try:
-        req = dlink.start(prompt_of(12, 1), GREEDY, "ok")
+        req = start_split(dlink, prompt_of(12, 1), GREEDY, "ok")
         side = loop.side.local
         with pytest.raises(ValueError, match="not connected"):
             side.submit(req.model_copy(update={"request_id": "x1", "decode_ranks": ["stranger"]}))
         with pytest.raises(ValueError, match="outside the decode pools"):
-            side.submit(req.model_copy(update={"request_id": "x2", "dst_pages": [0, decode.config.num_pages]}))
+            side.submit(req.model_copy(update={"request_id": "x2", "dst_pages": [0, decode.describe().num_pages]}))
         assert side.jobs() == 0 and pt.faults.stalled == 0
     finally:
         loop.stop()

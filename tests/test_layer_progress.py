@@ -16,16 +16,18 @@ def test_counter_bumps_once_per_layer_per_step(tiny_engine_dir) -> None:
 
     class Observer:
         def before_step(self, sched: SchedulerOutput) -> None:
-            seen.append((sched.step, engine.progress.snapshot()))
+            seen.append((sched.step, engine.kv_export().progress.snapshot()))
 
         def after_forward(self, sched: SchedulerOutput) -> None:
-            assert engine.progress.snapshot() == [sched.step] * len(seen[-1][1])  # every layer of this step ran
+            assert engine.kv_export().progress.snapshot() == [sched.step] * len(
+                seen[-1][1]
+            )  # every layer of this step ran
 
     engine.attach(Observer())
     engine.generate([list(range(1, 13))], SamplingParams(max_tokens=3, ignore_eos=True))
     steps = len(seen)
     assert steps == 3 + 2  # 12 prompt tokens in chunks of 5, then 2 more decode steps
-    assert engine.progress.snapshot() == [steps] * 3
+    assert engine.kv_export().progress.snapshot() == [steps] * 3
     for i, (_, counts) in enumerate(seen):  # observers run before the step's forward pass
         assert counts == [i] * 3
 
@@ -37,7 +39,7 @@ def test_poller_thread_sees_layers_finish_in_order(tiny_engine_dir) -> None:
 
     def poll() -> None:
         while not stop.is_set():
-            snap = engine.progress.snapshot()
+            snap = engine.kv_export().progress.snapshot()
             if not observed or snap != observed[-1]:
                 observed.append(snap)
 
@@ -48,5 +50,5 @@ def test_poller_thread_sees_layers_finish_in_order(tiny_engine_dir) -> None:
     t.join()
     for snap in observed:  # layer i never runs ahead of layer i-1
         assert all(a >= b for a, b in itertools.pairwise(snap))
-    assert engine.progress.snapshot() == [20, 20]  # 1 prefill + 19 decode steps
+    assert engine.kv_export().progress.snapshot() == [20, 20]  # 1 prefill + 19 decode steps
     assert len(observed) > 1

@@ -16,9 +16,10 @@ from tests.test_engine_equivalence import prompt_of
 from tests.test_speculative import engine as speculating_engine
 from torch_engine.config import EngineManifest, KVLayout, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
-from torch_engine.request import RequestKind
+from torch_engine.request import Request, RequestKind
 from torch_engine.sampling import SamplingParams
 from torch_engine.scheduler import SchedulerOutput
+from torch_engine.speculator import Speculator
 
 MTP = SpeculativeConfig(method=SpecMethod.MTP, num_tokens=1)
 PROMPTS = [prompt_of(30, 1), prompt_of(9, 2), prompt_of(41, 3), prompt_of(2, 4)]
@@ -26,6 +27,17 @@ PROMPTS = [prompt_of(30, 1), prompt_of(9, 2), prompt_of(41, 3), prompt_of(2, 4)]
 
 def engine(engine_dir: Path, spec: SpeculativeConfig | None = MTP, **kw: Any) -> LLMEngine:
     return speculating_engine(engine_dir, spec, **kw)
+
+
+class _Oracle(Speculator):
+    """Drafts the true next token (the speculator is the engine's injected room)."""
+
+    def __init__(self, future: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(MTP, max_model_len=512)
+        self.future = future
+
+    def propose(self, req: Request, room: int, running: int) -> list[int]:
+        return [self.future[tuple(req.prompt_ids)][req.num_tokens]]
 
 
 class DraftLog:
@@ -66,7 +78,7 @@ def test_mtp_layer_is_imported_and_its_absence_is_not_an_error(mtp_engine_dir, t
     with pytest.raises(ValueError, match="mtp needs a checkpoint with an MTP module"):
         engine(plain)
     eng = engine(mtp_engine_dir("llama"), spec=None)  # an MTP engine need not speculate
-    assert eng.kv.spec.num_layers == 3 and eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+    assert eng.kv_export().spec.num_layers == 3 and eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
 
 
 @pytest.mark.parametrize(
@@ -131,9 +143,8 @@ def test_accepted_drafts_keep_the_mtp_layer_in_step(mtp_engine_dir, mtp_tiny) ->
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prompts = PROMPTS[:3]
     plain = engine(mtp_engine_dir("llama"), spec=None).generate(prompts, params)
-    eng = engine(mtp_engine_dir("llama"))
     future = {tuple(p): p + o for p, o in zip(prompts, plain, strict=True)}
-    eng._scheduler.propose = lambda req, room: [future[tuple(req.prompt_ids)][req.num_tokens]]
+    eng = engine(mtp_engine_dir("llama"), speculator=_Oracle(future))
     ids, made = run_logged(eng, prompts, params)
     assert [eng.request(i).output_ids for i in ids] == plain
     assert eng.spec_stats.accepted == eng.spec_stats.proposed > 20
@@ -161,15 +172,15 @@ def test_mtp_layer_progress_counts_every_forward(mtp_engine_dir) -> None:
     MTP KV only for prefill-only requests (a decoder may draft from it)."""
     eng = engine(mtp_engine_dir("llama"), spec=None)
     eng.generate(PROMPTS, SamplingParams(max_tokens=5))
-    counts = eng.progress.snapshot()
+    counts = eng.kv_export().progress.snapshot()
     assert len(counts) == 3 and len(set(counts)) == 1 and counts[0] > 0
-    assert not eng.kv.pools[2].any()  # nobody drafts here: no MTP KV computed
+    assert not eng.kv_export().pools[2].any()  # nobody drafts here: no MTP KV computed
     rid = eng.add_request(PROMPTS[0], kind=RequestKind.PREFILL_ONLY)
     while eng.has_unfinished():
         eng.step()
     pages = eng.prefill_result(rid).pages
-    assert all(bool(eng.kv.pools[2][p].any()) for p in pages)
-    assert len(set(eng.progress.snapshot())) == 1
+    assert all(bool(eng.kv_export().pools[2][p].any()) for p in pages)
+    assert len(set(eng.kv_export().progress.snapshot())) == 1
 
 
 # -- a trained head for a checkpoint without one ------------------------------------------------

@@ -135,7 +135,13 @@ def run_loop(loop: DecodeLoop, prompts: list[list[int]], params: SamplingParams)
 def test_a_refusing_prefill_group_is_skipped_and_requests_fail_cleanly_when_none_is_left(tiny_engine_dir) -> None:
     fabric = MemoryFabric()
     decode = tiny_engine(tiny_engine_dir("llama"))
-    dside = DecodeSide(fabric.agent("d0"), engine_layout(decode), decode.kv.pools, metadata_bytes(decode), 4)
+    dside = DecodeSide(
+        fabric.agent("d0"),
+        engine_layout(decode.kv_export()),
+        decode.kv_export().pools,
+        metadata_bytes(decode.kv_export()),
+        4,
+    )
     prefill = tiny_engine(tiny_engine_dir("llama"), chunk=8, budget=16)
     server = PrefillLoop.standalone(prefill, fabric.agent("p1"))
     server.handshake([dside.endpoint()])

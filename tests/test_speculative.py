@@ -17,16 +17,19 @@ from torch_engine.config import KVLayout, SchedulerConfig, SpecMethod, Speculati
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 from torch_engine.speculative import NgramDrafter, rejection_sample, verify_greedy
+from torch_engine.speculator import Speculator
 
 NGRAM = SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=4)
 
 
-def engine(engine_dir: Path, spec: SpeculativeConfig | None = NGRAM, **kw: Any) -> LLMEngine:
+def engine(
+    engine_dir: Path, spec: SpeculativeConfig | None = NGRAM, speculator: Speculator | None = None, **kw: Any
+) -> LLMEngine:
     sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=48, max_num_seqs=16)
     settings: dict[str, object] = {"num_pages": 256, "scheduler": sched, "dtype": "float32"}
     if spec is not None:
         settings["speculative"] = spec
-    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False)
+    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False, speculator=speculator)
 
 
 def repetitive(n: int, seed: int) -> list[int]:
@@ -109,7 +112,7 @@ def test_per_request_opt_in_mixed_with_chunked_prefill(tiny_engine_dir) -> None:
         for rid in ids:  # rejected positions give their pages back: never more than the tokens need
             r = eng.request(rid)
             if r.pages:
-                pages_ok &= len(r.pages) <= -(-(r.num_tokens) // eng.page_size)
+                pages_ok &= len(r.pages) <= -(-(r.num_tokens) // eng.describe().page_size)
     want = plain.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     assert [eng.request(i).output_ids for i in ids] == want
     assert pages_ok

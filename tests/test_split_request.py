@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import tiny_engine
+from tests.helpers import copy_pages, reserve, tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
@@ -21,9 +21,9 @@ def split_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], par
         prefill.step()
     result = prefill.prefill_result(pid)
     assert result.num_tokens == len(prompt) - 1
-    did, pages = decode.reserve_for_kv(prompt, params)
+    did, pages = reserve(decode, prompt, params)
     assert decode.page_stats().pinned == len(pages)
-    decode.kv.copy_pages_from(prefill.kv, result.pages[: len(pages)], pages)  # stands in for the messenger
+    copy_pages(decode, prefill, result.pages[: len(pages)], pages)  # stands in for the messenger
     prefill.release(pid)
     decode.kv_ready(did)
     while not decode.request(did).finished:
@@ -69,7 +69,7 @@ def test_split_smollm2(smollm2_dir) -> None:
 
 def test_abort_while_waiting_for_kv_defers_free_until_unpinned(tiny_engine_dir) -> None:
     engine = tiny_engine(tiny_engine_dir("llama"))
-    rid, pages = engine.reserve_for_kv(prompt_of(30, 2), SamplingParams(max_tokens=4))
+    rid, pages = reserve(engine, prompt_of(30, 2), SamplingParams(max_tokens=4))
     engine.pin_pages(pages)  # a transfer still targets these pages
     assert engine.abort(rid)
     assert engine.page_stats().used == len(pages)  # not reusable while a write may land
@@ -90,8 +90,8 @@ def test_landed_kv_joins_the_next_step_beside_the_running_decodes(tiny_engine_di
     pid = prefill.add_request(late, kind=RequestKind.PREFILL_ONLY)
     while prefill.request(pid).state is not RequestState.PREFILLED:
         prefill.step()
-    did, pages = decode.reserve_for_kv(late, params)
-    decode.kv.copy_pages_from(prefill.kv, prefill.prefill_result(pid).pages[: len(pages)], pages)
+    did, pages = reserve(decode, late, params)
+    copy_pages(decode, prefill, prefill.prefill_result(pid).pages[: len(pages)], pages)
     prefill.release(pid)
     assert decode.load().decoding == 2
     decode.kv_ready(did)

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from torch_engine.kv_cache import PageAllocator
 from torch_engine.request import FinishReason, Request, RequestKind, RequestState
 
+# speculative decoding: (request, room, running requests) -> up to ``room`` draft tokens for a
+# request about to sample (``Speculator.propose``)
+Propose = Callable[[Request, int, int], list[int]]
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -56,14 +60,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
+        propose: Propose | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.max_chunk = max_prefill_chunk
-        # speculative decoding: (request, room) -> up to ``room`` draft tokens for a request about to sample
-        self.propose: Callable[[Request, int], list[int]] | None = None
+        self.propose = propose
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv_wait: dict[str, Request] = {}
@@ -163,7 +167,7 @@ class Scheduler:
         if req.kind is RequestKind.PREFILL_ONLY:
             return ()
         room = min(budget - n, self.max_chunk - n)
-        draft = self.propose(req, room) if room > 0 else []
+        draft = self.propose(req, room, len(self.running)) if room > 0 else []
         while draft and not self.allocator.can_allocate(
             self.pages_for(req.num_computed + 1 + len(draft)) - len(req.pages)
         ):

@@ -37,7 +37,7 @@ def calibrate(
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
     cfg = EngineConfig(engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=512, scheduler=scheduler)
     engine = LLMEngine(cfg)
-    vocab = engine.manifest.model.vocab_size
+    vocab = engine.describe().model.vocab_size
 
     def prompt(n: int) -> list[int]:
         return [(i * 7919) % (vocab - 200) + 100 for i in range(n)]

@@ -16,7 +16,7 @@ from kv_messenger.protocol import RankEndpoint
 from kv_messenger.transport.nixl import NixlTransport
 from orchestrator.triton import Ports, TritonServer
 from serving.kv_links import DecodeLink, engine_layout, metadata_bytes
-from tests.helpers import tiny_engine
+from tests.helpers import start_split, tiny_engine
 from tests.test_engine_equivalence import prompt_of
 from torch_engine.sampling import SamplingParams
 
@@ -43,7 +43,11 @@ def test_prefill_node_over_triton(kind: str, tiny_engine_dir, tmp_path: Path) ->
     srv.start()
     decode = tiny_engine(engine_dir)
     side = DecodeSide(
-        NixlTransport(f"decode-{kind}"), engine_layout(decode), decode.kv.pools, metadata_bytes(decode), 4
+        NixlTransport(f"decode-{kind}"),
+        engine_layout(decode.kv_export()),
+        decode.kv_export().pools,
+        metadata_bytes(decode.kv_export()),
+        4,
     )
     try:
         client = httpclient.InferenceServerClient(srv.http_url)
@@ -55,7 +59,7 @@ def test_prefill_node_over_triton(kind: str, tiny_engine_dir, tmp_path: Path) ->
         params = SamplingParams(max_tokens=8)
         loads = []
         for i, p in enumerate(prompts):
-            req = link.start(p, params, f"r{i}", seed=i)
+            req = start_split(link, p, params, f"r{i}", seed=i)
             loads.append(int(call(client, "prefill_request", req.model_dump_json())["load_tokens"][0]))
         assert loads[0] == 4 and all(x > 0 for x in loads)
         deadline = time.monotonic() + 60

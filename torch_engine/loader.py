@@ -1,0 +1,110 @@
+"""Loading an engine directory: the compute dtype, this rank's weights, the CPU fast path, and the
+short description of the result (``EngineDescription``) that benchmarks and reports read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from torch_engine.config import EngineConfig, EngineManifest, ModelConfig
+from torch_engine.cpu import cpu_info
+from torch_engine.kernels import cpu_kernels
+from torch_engine.layers import Linear, RMSNorm
+from torch_engine.models import build_model
+from torch_engine.models.decoder import CausalLM
+from torch_engine.parallel import TPGroup
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDescription:
+    """What an engine is, for benchmarks and reports (``LLMEngine.describe``)."""
+
+    source: str  # the checkpoint the engine directory was built from
+    model: ModelConfig
+    tp_size: int
+    device: str
+    dtype: torch.dtype
+    page_size: int
+    num_pages: int
+    max_model_len: int
+    kernel_path: str  # device / dtype / weight preparation / attention kernel / SIMD
+    weight_bytes: int  # this rank's parameters (tied embeddings once)
+    kv_bytes_per_token: int  # every layer's KV of one token on this rank
+
+
+def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.device) -> torch.dtype:
+    """The dtype the engine computes in: the config's, or ``auto``: bf16 on GPUs and on CPUs with native
+    bf16 dot products (AVX-512 BF16 / AMX), fp32 elsewhere; None: the manifest's."""
+    if config.dtype == "auto":
+        native = device.type == "cuda" or cpu_info().native_bf16
+        return torch.bfloat16 if native else torch.float32
+    return (config.dtype or manifest.dtype).torch
+
+
+def load_weights(
+    manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
+) -> CausalLM:
+    path = config.engine_dir / f"rank{tp.rank}.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{config.engine_dir} has no weights for TP rank {tp.rank} ({path.name})")
+    try:
+        state = load_file(str(path), device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{path} is corrupt or unreadable: {exc}") from exc
+    with torch.device("meta"):
+        model = build_model(manifest.model, tp)
+    expected = set(model.state_dict())
+    if manifest.model.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    keep_fp32 = ("router.weight", "router_bias")
+    state = {k: v if k.endswith(keep_fp32) else v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if manifest.model.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval()
+
+
+def prepare_cpu_path(model: CausalLM, device: torch.device, dtype: torch.dtype) -> bool:
+    """The fast CPU path (CPU, fp32 / bf16): every GEMM weight prepared once (oneDNN packing, and the
+    small-batch bf16 kernel's copy where the CPU has it), RMSNorm on the compiled kernel. True if
+    any weight was packed."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    kernels = cpu_kernels()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.prepare(kernels)
+    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+        norm.kernels = kernels
+    return any(m.packed is not None for m in linears)
+
+
+def kernel_path(
+    model: CausalLM, device: torch.device, dtype: torch.dtype, prepacked: bool, fused_attention: bool, graphs: bool
+) -> str:
+    """Which compute path an engine runs: device, dtype, weight preparation, decode graphs / attention."""
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        return f"cuda/{name}/{'cuda-graphs' if graphs else 'eager'}"
+    small = any(m.kernels is not None for m in model.modules() if isinstance(m, Linear))
+    gemm = ("gemm-bf16+onednn-packed" if small else "onednn-packed") if prepacked else "plain"
+    attention = "fused-attention" if fused_attention else "torch-attention"
+    return f"cpu/{name}/{gemm}/{attention}/{cpu_info().simd}"
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of this rank's parameters, each storage once (tied embeddings are one tensor)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,153 @@
+"""What a step emits: the tokens each chunk picks (``pick``: penalties, sampling, speculative
+verification, log-probabilities) and their application to the requests (``Outputs.apply``: tokens
+appended, stop strings / stop tokens / EOS / length checked, finished requests' pages freed,
+``RequestOutput``s built). Neither changes what the other decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+import torch
+
+from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
+from torch_engine.sampling import InvalidRequestError, TokenLogprobs, apply_penalties, logprobs_of, sample
+from torch_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from torch_engine.speculator import Picked, Speculator
+from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Logits = Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> fp32 logits
+
+
+def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator) -> dict[int, Picked]:
+    """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens
+    (a prefill-only chunk whose last hidden state is wanted keeps it and its logits)."""
+    first: dict[int, int] = {}  # id(chunk) -> its first row in ``hidden``
+    rows: list[ScheduledChunk] = []  # chunks with exactly one row
+    n_rows = 0
+    for c in sched.chunks:
+        if c.draft:
+            first[id(c)], n_rows = n_rows, n_rows + c.length
+        elif c.samples or (c.completes and c.request.want_last_hidden):
+            first[id(c)], n_rows = n_rows, n_rows + 1
+            rows.append(c)
+    logits = logits_of(hidden) if first else hidden
+    picks = {id(c): spec.verify(c, logits[first[id(c)] : first[id(c)] + c.length]) for c in sched.chunks if c.draft}
+    sampled = [c for c in rows if c.samples]
+    reqs = [c.request for c in sampled]
+    params = [r.params for r in reqs]
+    chosen = logits[[first[id(c)] for c in sampled]].float()
+    if any(p.penalized for p in params):
+        apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
+    tokens = sample(chosen, params, [r.sampler for r in reqs])
+    wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
+    logprobs: dict[int, TokenLogprobs] = {}
+    if wanted:
+        found = logprobs_of(chosen[wanted], [tokens[j] for j in wanted], [params[j].logprobs or 0 for j in wanted])
+        logprobs = {j: lp for j, lp in zip(wanted, found, strict=True)}
+    for j, c in enumerate(sampled):
+        lp = logprobs.get(j)
+        picks[id(c)] = Picked([tokens[j]], [lp] if lp is not None else [])
+    for c in rows:
+        if c.request.want_last_hidden:
+            i = first[id(c)]
+            c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
+    return picks
+
+
+class Outputs:
+    """Applies a step's picks; owns the stop-string detokenisers of live requests."""
+
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Tokenizer | None, eos_ids: Collection[int], max_model_len: int
+    ) -> None:
+        self._scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._eos_ids = frozenset(eos_ids)
+        self._max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def watch(self, req: Request) -> None:
+        """A new request with stop strings gets a detokeniser (InvalidRequestError without a tokenizer)."""
+        if not req.params.stop:
+            return
+        if self._tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        self._detok[req.request_id] = IncrementalDetokenizer(self._tokenizer, req.prompt_ids[-4:])
+
+    def finish(self, req: Request, state: RequestState, reason: FinishReason, error: str | None = None) -> None:
+        self._scheduler.finish(req, state, reason, error)
+        self._detok.pop(req.request_id, None)
+
+    def apply(self, sched: SchedulerOutput, picks: dict[int, Picked]) -> list[RequestOutput]:
+        outputs = []
+        for c in sched.chunks:
+            req = c.request
+            if c.draft:
+                p = picks[id(c)]
+                req.num_computed += len(p.tokens)  # its next token and the accepted drafts now have KV
+                outputs.append(self._append_tokens(req, p.tokens, p.logprobs))
+                self._scheduler.trim(req)  # pages past the rejected positions go back
+                continue
+            req.num_computed += c.length
+            if req.kind is RequestKind.PREFILL_ONLY and c.completes:
+                self._scheduler.mark_prefilled(req)
+                outputs.append(
+                    RequestOutput(request_id=req.request_id, finished=True, finish_reason=FinishReason.PREFILLED)
+                )
+            elif c.samples:
+                p = picks[id(c)]
+                outputs.append(self._append_token(req, p.tokens[0], p.logprobs[0] if p.logprobs else None))
+        return outputs
+
+    def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs]) -> RequestOutput:
+        """Several tokens of one step (speculation), one by one through the stop checks; one output."""
+        outs: list[RequestOutput] = []
+        for j, t in enumerate(tokens):
+            outs.append(self._append_token(req, t, lps[j] if lps else None))
+            if outs[-1].finished:
+                break
+        last = outs[-1]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[t for o in outs for t in o.new_token_ids],
+            output_ids=list(req.output_ids),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            text="".join(o.text for o in outs),
+            prompt_tokens=len(req.prompt_ids),
+            logprobs=tuple(lp for o in outs for lp in o.logprobs),
+            drafts=(req.spec.proposed, req.spec.accepted),
+        )
+
+    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        req.output_ids.append(token)
+        p = req.params
+        reason: FinishReason | None = None
+        delta = ""
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            delta = detok.push([token])
+            hit = next((s for s in p.stop if s in detok.text), None)
+            if hit is not None:
+                req.text = detok.text[: detok.text.index(hit)]
+                reason = FinishReason.STOP
+            else:
+                req.text = detok.text
+        if reason is None and ((token in self._eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            reason = FinishReason.STOP
+        elif reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self._max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(req, RequestState.FINISHED, reason)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            output_ids=list(req.output_ids),
+            finished=reason is not None,
+            finish_reason=reason,
+            text=delta,
+            prompt_tokens=len(req.prompt_ids),
+            logprobs=(logprobs,) if logprobs is not None else (),
+            drafts=(req.spec.proposed, req.spec.accepted),
+        )
