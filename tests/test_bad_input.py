@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from tests.helpers import tiny_engine
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
-from torch_engine.sampling import InvalidRequestError, SamplingParams
+from torch_engine.sampling import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 
 
 @pytest.fixture
@@ -33,6 +34,8 @@ def engine(tiny_engine_dir) -> LLMEngine:
         ([1, 2, 999], SamplingParams(), r"token id 999 is outside the vocabulary \[0, 256\)"),
         ([1, -2], SamplingParams(), "token id -2"),
         ([1, 2, 3], SamplingParams(stop=("",)), "stop strings must not be empty"),
+        ([1, 2, 3], SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+        ([1, 2, 3], SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
     ],
 )
 def test_bad_request_is_rejected_and_engine_keeps_serving(engine: LLMEngine, prompt, params, match: str) -> None:
@@ -83,3 +86,43 @@ def test_corrupt_engine_dir(tiny_engine_dir, tmp_path: Path) -> None:
 def test_wrong_tp_size(tiny_engine_dir) -> None:
     with pytest.raises(ValueError, match="built for TP 2, not 1"):
         LLMEngine(EngineConfig(engine_dir=tiny_engine_dir("llama", tp=2)), load_tokenizer=False)
+
+
+# values that pass validation and once overflowed the sampler (NaN probabilities: the step raised,
+# the decode loop ended, the node went down with every stream on it)
+def _extreme(**kw: float | int) -> SamplingParams:
+    return SamplingParams(max_tokens=6, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+EXTREME = [
+    _extreme(temperature=1e-40, seed=1),
+    _extreme(temperature=4.9e-324, seed=1),
+    _extreme(temperature=0.7, repetition_penalty=1e-40, seed=2, logprobs=3),
+    _extreme(temperature=1e-6, repetition_penalty=1e-300, top_p=1e-40, seed=3),
+    _extreme(temperature=1e30, repetition_penalty=1e30, top_k=2**40, seed=4, logprobs=20),
+    _extreme(temperature=0.5, presence_penalty=2.0, frequency_penalty=-2.0, seed=5),
+]
+
+
+@pytest.mark.parametrize("params", EXTREME, ids=range(len(EXTREME)))
+def test_extreme_sampling_values_are_served_beside_a_stream(engine: LLMEngine, params: SamplingParams) -> None:
+    """Each finishes with finite log-probabilities while a greedy stream beside it yields exactly
+    the tokens it yields alone; a temperature below MIN_TEMPERATURE samples the greedy tokens."""
+    prompt, beside = [11, 12, 13, 14, 15], [7, 8, 9, 10]
+    alone = engine.generate([beside], SamplingParams(max_tokens=8))[0]
+    rid = engine.add_request(prompt, params)
+    other = engine.add_request(beside, SamplingParams(max_tokens=8))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert len(engine.request(rid).output_ids) == 6
+    assert list(engine.request(other).output_ids) == alone
+    assert all(
+        math.isfinite(lp.logprob) and all(map(math.isfinite, lp.top_logprobs)) for o in outs for lp in o.logprobs
+    )
+    if params.temperature < MIN_TEMPERATURE and not params.penalized:
+        assert (
+            list(engine.request(rid).output_ids)
+            == engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        )
+    assert engine.page_stats().used == 0

@@ -1,10 +1,22 @@
-"""Sampling parameters (validated at the API boundary) and the batched sampler."""
+"""Sampling parameters (validated at the API boundary) and the batched sampler.
+
+No accepted value can make the sampler produce NaN or inf (a request that did took its decode node
+down): every float must be finite; a temperature below ``MIN_TEMPERATURE`` samples greedily (as
+vLLM does with its sampling epsilon; the distribution is a point mass at that scale anyway);
+penalised logits are clamped to the finite fp32 range; sampling divides by the temperature and
+normalises in float64, clamped, so no ratio overflows to inf and no softmax sees inf - inf.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+MIN_TEMPERATURE = 1e-5  # below it a request samples greedily
+_FP32_MAX = torch.finfo(torch.float32).max
+_F64_LIMIT = 1e300  # logits / temperature are clamped to +-this before the float64 softmax
 
 
 class InvalidRequestError(ValueError):
@@ -30,7 +42,10 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), int | float) or not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not self.temperature >= 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -50,7 +65,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below ``MIN_TEMPERATURE`` (a point mass at the argmax at that scale)."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -102,6 +118,7 @@ def apply_penalties(
         if output and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=row.device), return_counts=True)
             row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+        row.clamp_(-_FP32_MAX, _FP32_MAX)  # a tiny repetition penalty overflows a logit to inf
     return logits
 
 
@@ -124,7 +141,7 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: ``logits`` (``[..., V]``) / temperature,
     then top-k, then top-p (the smallest prefix reaching ``top_p``), softmax."""
-    rows = logits.float().cpu() / p.temperature
+    rows = (logits.double().cpu() / p.temperature).clamp(-_F64_LIMIT, _F64_LIMIT)
     if p.top_k and p.top_k < rows.shape[-1]:
         kth = torch.topk(rows, p.top_k, dim=-1).values[..., -1:]
         rows = rows.masked_fill(rows < kth, float("-inf"))
@@ -133,7 +150,7 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         soft = sorted_logits.softmax(-1)
         drop = soft.cumsum(-1) - soft >= p.top_p  # keep the smallest prefix reaching top_p
         rows = rows.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return rows.softmax(-1)
+    return rows.softmax(-1).float()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:

@@ -73,7 +73,10 @@ def rejection_sample(probs: torch.Tensor, draft: Sequence[int], generator: torch
             continue
         residual = p.clone()
         residual[d] = 0.0
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator).item())
+        mass = float(residual.sum())
+        if mass <= 0.0:  # p is a point mass at d (rounding made p[d] a hair below 1): d it is
+            continue
+        return i, int(torch.multinomial(residual / mass, 1, generator=generator).item())
     return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator).item())
 
 
