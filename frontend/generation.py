@@ -25,7 +25,9 @@ from frontend.config import RouterConfig
 from frontend.groups import GroupPool
 from frontend.metrics import RouterMetrics
 from frontend.text import StopCutter, TextAssembler
-from frontend.upstream import GroupUnavailable, Piece, Refused, Sampling
+from frontend.upstream import GroupUnavailable, Piece, Refused
+from serving.codecs import check_sampling
+from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.tokenizer import Tokenizer
 
 
@@ -90,19 +92,28 @@ class Generator:
             return [int(t) for t in p]
         return self.tokenizer.encode(p if isinstance(p, str) else str(p[0]))
 
-    def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+    def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
         limit = req.limit if req.limit is not None else self.cfg.spec.max_tokens_default
         if limit > self.cfg.max_tokens_limit:
-            raise ApiError(400, f"max_tokens must be at most {self.cfg.max_tokens_limit}, got {limit}", "max_tokens")
-        return Sampling(
+            raise ApiError(
+                400, f"max_tokens must be at most {self.cfg.max_tokens_limit}, got {limit}", param="max_tokens"
+            )
+        params = SamplingParams(
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            top_logprobs=req.num_top_logprobs,
+            logprobs=req.num_top_logprobs,
         )  # fmt: skip
+        try:
+            check_sampling(params)  # every value fits the type the wire carries it in
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        return params
 
     # -- running -------------------------------------------------------------------------
-    async def pieces(self, ids: list[int], s: Sampling, rid: str, outcome: Outcome) -> AsyncGenerator[Piece, None]:
+    async def pieces(
+        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome
+    ) -> AsyncGenerator[Piece, None]:
         """Pieces from the least loaded group; a group that fails before the first piece: once more elsewhere."""
         tried: set[str] = set()
         failures: list[str] = []
@@ -138,7 +149,9 @@ class Generator:
                     status = 502 if got_any else 400
                     raise ApiError(status, str(exc), "server_error" if got_any else "invalid_request_error") from None
 
-    async def deltas(self, ids: list[int], s: Sampling, rid: str, outcome: Outcome) -> AsyncGenerator[Delta, None]:
+    async def deltas(
+        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome
+    ) -> AsyncGenerator[Delta, None]:
         text = TextAssembler(self.tokenizer, StopCutter(s.stop))
         last, first = time.monotonic(), True
         async with contextlib.aclosing(self.pieces(ids, s, rid, outcome)) as pieces:

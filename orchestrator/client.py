@@ -13,11 +13,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import tritonclient.grpc.aio as aioclient
-from tritonclient.grpc import InferInput
 
+from serving.codecs import DECODE, DecodeCall, encode_decode, encode_llm, parse_piece, parse_text_output
 from serving.names import Model, Tensor
+from serving.wire import SIGNATURES, client_inputs
+from torch_engine.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -42,22 +43,11 @@ class Completion:
         return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
 
 
-def _tensor(name: str, value: np.ndarray, dtype: str) -> InferInput:
-    t = InferInput(name, list(value.shape), dtype)
-    t.set_data_from_numpy(value)
-    return t
-
-
 def llm_inputs(
     prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, ignore_eos: bool = False
-) -> list[InferInput]:
-    return [
-        _tensor(Tensor.TEXT_INPUT, np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        _tensor(Tensor.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32"),
-        _tensor(Tensor.STREAM, np.array([stream]), "BOOL"),
-        _tensor(Tensor.CHAT, np.array([chat]), "BOOL"),
-        _tensor(Tensor.IGNORE_EOS, np.array([ignore_eos]), "BOOL"),
-    ]
+) -> list[object]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return client_inputs(SIGNATURES[Model.LLM], encode_llm(prompt, params, stream, chat))
 
 
 async def _one(request: dict) -> AsyncIterator[dict]:
@@ -86,8 +76,7 @@ async def generate(
         if error is not None:
             done.error = str(error)
             break
-        out = result.as_numpy(Tensor.TEXT_OUTPUT)
-        piece = b"".join(out.reshape(-1)).decode("utf-8") if out is not None else ""
+        piece = parse_text_output(result.as_numpy) if result.as_numpy(Tensor.TEXT_OUTPUT) is not None else ""
         if piece:
             done.pieces.append(piece)
             done.times.append(time.time())
@@ -107,18 +96,15 @@ async def generate_ids(
     timeout_s: float = 600.0,
 ) -> Completion:
     """All generated token ids of one request to the ``decode`` model (one response: stream=false)."""
-    inputs = [
-        _tensor(Tensor.INPUT_IDS, np.array(prompt_ids, dtype=np.int32), "INT32"),
-        _tensor(Tensor.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32"),
-        _tensor(Tensor.STREAM, np.array([False]), "BOOL"),
-    ]
+    call = DecodeCall(prompt_ids, SamplingParams(max_tokens=max_tokens), stream=False)
+    inputs = client_inputs(DECODE, encode_decode(call))
     req = {"model_name": Model.DECODE.value, "inputs": inputs, "request_id": request_id}
     done = Completion(request_id, time.time())
     async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
         if error is not None:
             done.error = str(error)
         else:
-            done.token_ids = [int(t) for t in result.as_numpy(Tensor.OUTPUT_IDS).reshape(-1)]
+            done.token_ids = list(parse_piece(result.as_numpy, None).window)
             done.times.append(time.time())
         break
     return done

@@ -1,8 +1,9 @@
 """Names shared across process boundaries, defined once: Triton models, their tensors, backend roles.
 
 The ``llm`` ensemble keeps TensorRT-LLM's ensemble names (``text_input``, ``max_tokens``,
-``stream``, ... -> ``text_output``) so that existing clients and benchmark tools work unchanged;
-``model_repo/*/config.pbtxt`` declares the same names (a test checks that they agree).
+``stream``, ... -> ``text_output``) so that existing clients and benchmark tools work unchanged.
+Each tensor's type and dims, per model, are ``serving/wire.py``'s; ``model_repo/*/config.pbtxt``
+declares the same (a test checks that they agree).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from serving.bootstrap import bootstrap
 from serving.decode_loop import DecodeLoop
 from serving.decode_path import KVFetcher
 from serving.loop import ReportHook
-from serving.node_config import NodeConfig
+from serving.node_config import NodeConfig, group_name
 from serving.prefill_loop import DoneHook, PrefillLoop
 from serving.tp_group import run_follower
 from serving.trace import TraceObserver, Tracer
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def _tracer(node: NodeConfig) -> Tracer | None:
-    name = f"{node.role.value}{node.group}"
+    name = group_name(node.role, node.group)
     return Tracer(node.trace_path, name) if node.trace_path is not None else None
 
 

@@ -53,6 +53,12 @@ class RequestTimeouts(_Frozen):
     )
 
 
+def group_name(role: Role, group: int) -> str:
+    """A group's one name, everywhere (launcher scripts and logs, the router's groups, traces, request
+    ids): ``prefill0``, ``decode1``; a colocated group takes requests as a decode group does: ``decode0``."""
+    return f"{'prefill' if role is Role.PREFILL else 'decode'}{group}"
+
+
 class NodeConfig(_Frozen):
     """One process (MPI rank) of a deployment. Without ``mpi_rank`` it is a standalone node (tests,
     single-server use)."""

@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from kv_messenger.protocol import PrefillRequest
+from serving.codecs import PREFILL, encode_prefill, parse_load
 from serving.names import Model, Tensor
 from serving.node_config import GRPC_AUTH_HEADER
 from serving.registry import GroupRecord
+from serving.wire import client_inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +85,12 @@ class PrefillCaller:
         self.headers = {GRPC_AUTH_HEADER: auth_key} if auth_key else None  # prefill nodes restrict inference
 
     def call(self, req: PrefillRequest) -> None:
-        inp = grpcclient.InferInput(Tensor.PREFILL_REQUEST, [1], "BYTES")
-        inp.set_data_from_numpy(np.array([req.model_dump_json().encode()], dtype=np.object_))
+        inputs = client_inputs(PREFILL, encode_prefill(req))
         out = grpcclient.InferRequestedOutput(Tensor.LOAD_TOKENS)
         done = partial(self._done, req.request_id, req.epoch)
         try:
             self.client.async_infer(
-                Model.PREFILL, [inp], done, outputs=[out], client_timeout=self.timeout_s, headers=self.headers
+                Model.PREFILL, inputs, done, outputs=[out], client_timeout=self.timeout_s, headers=self.headers
             )
         except InferenceServerException as exc:  # raised before the call went out
             self.replies.put(Reply(self.group.group, req.request_id, req.epoch, None, str(exc), Delivery.UNREACHED))
@@ -101,8 +101,7 @@ class PrefillCaller:
         if error is not None:
             self.replies.put(Reply(self.group.group, request_id, epoch, None, str(error), delivery_of(error)))
             return
-        load = result.as_numpy(Tensor.LOAD_TOKENS)
-        self.replies.put(Reply(self.group.group, request_id, epoch, int(load.reshape(-1)[0]), None))
+        self.replies.put(Reply(self.group.group, request_id, epoch, parse_load(result.as_numpy), None))
 
     def close(self) -> None:
         self.client.close()

@@ -17,9 +17,10 @@ from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
 from frontend.groups import Group, GroupPool
 from frontend.server import Router
 from frontend.text import StopCutter
-from frontend.upstream import GroupUnavailable, Piece, Refused, Sampling
+from frontend.upstream import GroupUnavailable, Piece, Refused
+from torch_engine.sampling import SamplingParams
 
-Script = Callable[[str, list[int], Sampling], AsyncGenerator[Piece, None]]
+Script = Callable[[str, list[int], SamplingParams], AsyncGenerator[Piece, None]]
 
 
 class ScriptedPool(GroupPool):
@@ -37,23 +38,23 @@ class ScriptedPool(GroupPool):
         return None
 
 
-async def healthy(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+async def healthy(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
     tokens = [ids[-1]] * s.max_tokens  # repeats the prompt's last token
     for i in range(1, len(tokens) + 1):
         yield Piece(tuple(tokens[:i]), i - 1, i, "length" if i == len(tokens) else "")
 
 
-async def down(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+async def down(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
     raise GroupUnavailable(f"{name}: connection refused")
     yield  # pragma: no cover
 
 
-async def breaks_after_one(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+async def breaks_after_one(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
     yield Piece((ids[-1],), 0, 1, "")
     raise GroupUnavailable(f"{name}: stream reset")
 
 
-async def refuses(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piece, None]:
+async def refuses(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
     raise Refused("prompt has 9999 tokens; the context holds 2048")
     yield  # pragma: no cover
 
@@ -61,7 +62,7 @@ async def refuses(name: str, ids: list[int], s: Sampling) -> AsyncGenerator[Piec
 def run(
     smollm2_dir: Path, scripts: dict[str, Script], monkeypatch: pytest.MonkeyPatch, body: dict[str, object]
 ) -> tuple[int, str, dict[str, Group]]:
-    def fake_stream(client: object, ids: list[int], s: Sampling, rid: str, timeout_s: float) -> Any:
+    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, timeout_s: float) -> Any:
         return scripts[str(client)](str(client), ids, s)
 
     monkeypatch.setattr(generation.upstream, "stream", fake_stream)

@@ -20,7 +20,12 @@ _F64_LIMIT = 1e300  # logits / temperature are clamped to +-this before the floa
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message names the offending field and value."""
+    """A request the engine refuses; the message names the offending field and value (``param``:
+    the field's name, where one field is to blame)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

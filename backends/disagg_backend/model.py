@@ -14,6 +14,11 @@ small class per role, each owning its own state:
   ``llm``, through a BLS call per request on its own thread (``serving.batch_adapter``).
 
 Bad input gets a per-request error that names the problem.
+
+Long because: Triton's Python-based backend loads this one file (the directory is copied into the
+run's backend folder, not installed), so the role classes, their Prometheus metrics (Triton's
+``MetricFamily``) and the response stream live together. Parsing and encoding are
+``serving.codecs``', the engine loop and everything else ``serving``'s.
 """
 
 from __future__ import annotations
@@ -32,23 +37,17 @@ import triton_python_backend_utils as pb_utils
 from pydantic import ValidationError
 
 from kv_messenger.prefill_side import PrefillOutcome
-from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from serving import codecs
 from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
+from serving.codecs import DecodePiece
 from serving.decode_loop import DecodeLoop
-from serving.llm_request import (
-    Getter,
-    RequestIds,
-    parse_echo,
-    parse_sampling,
-    parse_stop,
-    parse_stop_words,
-    parse_text,
-)
 from serving.loop import LoopReport
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
-from serving.node_config import NODE_CONFIG_ENV, NodeConfig
+from serving.node_config import NODE_CONFIG_ENV, NodeConfig, group_name
+from serving.request_ids import RequestIds
 from serving.trace import Tracer
+from serving.wire import Arrays, Getter
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, TokenLogprobs
 from torch_engine.tokenizer import Tokenizer, window_text
@@ -106,9 +105,8 @@ class Preprocessing(_Role):
         self.tokenizer = Tokenizer(node.engine.engine_dir)
 
     def convert(self, get: Getter) -> Response:
-        prompt, chat = parse_text(get)
-        ids = np.array(self.tokenizer.encode(prompt, chat=chat), dtype=np.int32)
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(Tensor.INPUT_IDS, ids)])
+        prompt, chat = codecs.parse_text(get)
+        return _response(codecs.encode_ids(self.tokenizer.encode(prompt, chat=chat)))
 
 
 class Postprocessing(_Role):
@@ -116,14 +114,11 @@ class Postprocessing(_Role):
         self.tokenizer = Tokenizer(node.engine.engine_dir)
 
     def convert(self, get: Getter) -> Response:
-        window = [int(t) for t in _required(get, Tensor.OUTPUT_IDS).reshape(-1)]
-        text = window_text(self.tokenizer, window, int(_required(get, Tensor.TEXT_SKIP).reshape(-1)[0]))
-        for stop in parse_stop_words(get):  # a stop string inside this piece ends the text there
+        w = codecs.parse_window(get)
+        text = window_text(self.tokenizer, w.ids, w.skip)
+        for stop in w.stop_words:  # a stop string inside this piece ends the text there
             text = text.split(stop, 1)[0]
-        logprobs = get(Tensor.OUTPUT_LOG_PROBS)  # passed through, as TensorRT-LLM's postprocessing does
-        logprobs = np.zeros(0, np.float32) if logprobs is None else logprobs.astype(np.float32).reshape(-1)
-        tensors = [_strings(Tensor.TEXT_OUTPUT, text), pb_utils.Tensor(Tensor.OUTPUT_LOG_PROBS, logprobs)]
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return _response(codecs.encode_text(text, w.logprobs))  # log-probabilities passed through, as TRT-LLM
 
 
 class Prefill(_Role):
@@ -136,19 +131,13 @@ class Prefill(_Role):
         self.loop.on_fatal = _exit_process
 
     def convert(self, get: Getter) -> Response:
-        hs, pr = get(Tensor.HANDSHAKE), get(Tensor.PREFILL_REQUEST)
         try:
-            if hs is not None:
-                eps = [RankEndpoint.model_validate(e) for e in json.loads(hs.reshape(-1)[0])]
-                mine = self.loop.handshake(eps).model_dump_json()
-                return pb_utils.InferenceResponse(output_tensors=[_strings(Tensor.ENDPOINT, mine)])
-            if pr is not None:
-                load = self.loop.submit(PrefillRequest.model_validate_json(pr.reshape(-1)[0]))
-                load_tensor = pb_utils.Tensor(Tensor.LOAD_TOKENS, np.array([load], np.int64))
-                return pb_utils.InferenceResponse(output_tensors=[load_tensor])
+            call = codecs.parse_prefill_call(get)
+            if isinstance(call, list):  # a handshake: decode endpoints in, ours out
+                return _response(codecs.encode_endpoint(self.loop.handshake(call)))
+            return _response(codecs.encode_load(self.loop.submit(call)))
         except (ValueError, ValidationError) as exc:
             return _error(str(exc))
-        return _error(f"send {Tensor.HANDSHAKE} or {Tensor.PREFILL_REQUEST}")
 
     def finalize(self) -> None:
         self.loop.stop()
@@ -162,7 +151,7 @@ class Decode(_Role):
         self.metrics = _Metrics()
         self.loop, self.tracer = decode_loop(node, on_report=self.metrics.report)
         self.loop.on_fatal = _exit_process
-        self._ids = RequestIds(f"{node.role.value}{node.group}")
+        self._ids = RequestIds(group_name(node.role, node.group))
         self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
         self._senders: dict[str, Any] = {}  # live request -> its response sender (cancellation watch)
         self._live_lock = threading.Lock()
@@ -177,21 +166,21 @@ class Decode(_Role):
     def submit(self, request: Request) -> None:
         sender = request.get_response_sender()
         get = _getter(request)
-        if parse_stop(get):
-            self.stop(request.request_id(), sender)
-            return
         try:
-            params, stream = parse_sampling(get, self.node.limits.max_tokens)
-            ids = [int(t) for t in _required(get, Tensor.INPUT_IDS).reshape(-1)]
-            echo = tuple(ids) if parse_echo(get, stream) else ()
+            if codecs.is_stop(get):
+                self.stop(request.request_id(), sender)
+                return
+            call = codecs.parse_decode(get, self.node.limits.max_tokens)
         except InvalidRequestError as exc:  # answered on this request's stream; the others go on
             sender.send(_error(str(exc)), flags=FINAL)
             return
+        ids, params = call.ids, call.params
+        echo = tuple(ids) if call.echo else ()
         client = request.request_id()
         rid = self._ids.next(client)  # unique on this node and across the nodes it travels to
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
-        responder = _Responder(sender, stream, self.loop, self.metrics, params.stop, self.tracer, echo)
+        responder = _Responder(sender, call.stream, self.loop, self.metrics, params.stop, self.tracer, echo)
         with self._live_lock:
             self._senders[rid] = sender
             if client:
@@ -305,7 +294,7 @@ def _stop(request_id: str) -> None:
     """TensorRT-LLM's stop request to this node's ``decode`` model: it aborts the requests ``request_id`` names."""
     stop = pb_utils.InferenceRequest(
         model_name=Model.DECODE.value,
-        inputs=[pb_utils.Tensor(Tensor.STOP, np.array([True]))],
+        inputs=_tensors(codecs.encode_stop()),
         requested_output_names=[],
         request_id=request_id,
     )
@@ -321,11 +310,12 @@ def _getter(request: Request) -> Getter:
     return get
 
 
-def _required(get: Getter, name: str) -> np.ndarray:
-    value = get(name)
-    if value is None:
-        raise InvalidRequestError(f"input {name} is missing")
-    return value
+def _tensors(arrays: Arrays) -> list[Any]:
+    return [pb_utils.Tensor(name.value, value) for name, value in arrays.items()]
+
+
+def _response(arrays: Arrays) -> Response:
+    return pb_utils.InferenceResponse(output_tensors=_tensors(arrays))
 
 
 def _exit_process(exc: BaseException) -> None:
@@ -487,17 +477,12 @@ class _Responder:
 
     def _send(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> None:
         reason = "" if not out.finished else "length" if out.finish_reason is FinishReason.LENGTH else "stop"
-        tensors = [
-            pb_utils.Tensor(Tensor.OUTPUT_IDS, np.array(window, dtype=np.int32)),
-            pb_utils.Tensor(Tensor.TEXT_SKIP, np.array([skip], dtype=np.int32)),
-            pb_utils.Tensor(Tensor.SEQUENCE_LENGTH, np.array([self.generated], dtype=np.int32)),
-            _strings(Tensor.FINISH_REASON, reason),
-            *_logprob_tensors(self.logprobs),
-        ]
-        if self.stop:
-            tensors.append(_strings(Tensor.STOP_WORDS_OUT, *self.stop))
-        self.logprobs = []
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
+        lps, self.logprobs = self.logprobs, []
+        piece = DecodePiece(
+            window, skip, self.generated, reason, tuple(lp.logprob for lp in lps),
+            tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop,
+        )  # fmt: skip
+        self.sender.send(_response(codecs.encode_piece(piece)), flags=FINAL if out.finished else 0)
 
     def _observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -524,25 +509,6 @@ class _Responder:
             self.metrics.prompt_tokens.increment(out.prompt_tokens)
             if out.drafts[0]:
                 self.metrics.acceptance.observe(out.drafts[1] / out.drafts[0])
-
-
-def _logprob_tensors(logprobs: list[TokenLogprobs]) -> list[Any]:
-    """``output_log_probs`` of the new tokens, and their top alternatives (``[tokens, k]``)."""
-    k = len(logprobs[0].top_ids) if logprobs else 0
-    return [
-        pb_utils.Tensor(Tensor.OUTPUT_LOG_PROBS, np.array([lp.logprob for lp in logprobs], dtype=np.float32)),
-        pb_utils.Tensor(
-            Tensor.TOP_LOGPROB_IDS, np.array([lp.top_ids for lp in logprobs], dtype=np.int32).reshape(len(logprobs), k)
-        ),
-        pb_utils.Tensor(
-            Tensor.TOP_LOGPROB_VALUES,
-            np.array([lp.top_logprobs for lp in logprobs], dtype=np.float32).reshape(len(logprobs), k),
-        ),
-    ]
-
-
-def _strings(name: str, *values: str) -> Any:
-    return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
 
 
 def _error(message: str) -> Response:

@@ -1,0 +1,259 @@
+"""One codec per Triton model over the wire contract (``serving/wire.py``): the caller side encodes a
+typed value into the model's arrays, the backend side parses the arrays back (and the other way for
+responses). Every problem a client can cause is an ``InvalidRequestError`` naming the input.
+
+- ``decode``: ``DecodeCall`` (token ids, ``SamplingParams``, stream, echo) / a ``stop`` control call;
+  responses ``DecodePiece`` (a token window, counts, finish reason, log-probabilities).
+- ``llm`` / ``ensemble``: text + the same sampling inputs (``encode_llm``); preprocessing reads the text.
+- ``postprocessing``: a token window -> text.
+- ``prefill``: a ``PrefillRequest`` or a handshake in, the load or an endpoint out.
+
+Sampling inputs are declared once, in ``wire.SAMPLING``: the tensor, its type, the
+``SamplingParams`` field it carries; a field at its default is left off the wire. A new scalar
+sampling input is that one line (plus its ``SamplingParams`` field and the model configs, which a
+test holds to the contract); encoding and parsing follow from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from serving.names import Model, Tensor
+from serving.wire import SAMPLING, SIGNATURES, Arrays, Getter, Reader, WireType, encode
+from torch_engine.sampling import InvalidRequestError, SamplingParams
+
+T = Tensor
+# scalar sampling inputs carried as is: tensor -> its SamplingParams field (left out at the field's default)
+SCALARS: tuple[tuple[Tensor, str], ...] = tuple((s.port.tensor, s.param) for s in SAMPLING if s.param is not None)
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+DECODE, LLM, POST, PREFILL = (SIGNATURES[m] for m in (Model.DECODE, Model.LLM, Model.POSTPROCESSING, Model.PREFILL))
+
+
+# -- sampling (decode, llm, ensemble) ----------------------------------------------------------
+def sampling_values(params: SamplingParams) -> dict[Tensor, object]:
+    """What ``params`` puts on the wire (TensorRT-LLM's inputs): fields away from their default."""
+    values: dict[Tensor, object] = {t: getattr(params, f) for t, f in SCALARS if getattr(params, f) != _DEFAULTS[f]}
+    values[T.MAX_TOKENS] = params.max_tokens  # always: the server's default may differ
+    if params.stop:
+        values[T.STOP_WORDS] = list(params.stop)
+    if params.stop_token_ids:
+        if len(params.stop_token_ids) != 1:
+            raise InvalidRequestError("the wire carries one end_id: stop_token_ids must hold at most one id")
+        values[T.END_ID] = params.stop_token_ids[0]
+    if params.logprobs is not None:
+        values[T.RETURN_LOG_PROBS] = True
+        values[T.TOP_LOGPROBS] = params.logprobs
+    return values
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """``InvalidRequestError`` (its ``param`` set) when ``params`` is invalid or a value does not fit
+    the type the wire carries it in (a ``top_k`` of 2**40 in an INT32)."""
+    params.validate()
+    encode(DECODE, sampling_values(params))
+
+
+def parse_sampling(r: Reader, max_tokens_limit: int) -> SamplingParams:
+    """The sampling inputs as validated ``SamplingParams`` (``max_tokens`` at most ``max_tokens_limit``)."""
+    if (beam := r.integer(T.BEAM_WIDTH)) is not None and beam != 1:
+        raise InvalidRequestError(f"beam_width {beam} is not supported (only 1)")
+    if (n := r.integer(T.NUM_RETURN_SEQUENCES)) is not None and n != 1:
+        raise InvalidRequestError(f"num_return_sequences {n} is not supported (only 1)")
+    kw: dict[str, object] = {}
+    for tensor, name in SCALARS:
+        value = r.flag(tensor) if isinstance(_DEFAULTS[name], bool) or name == "speculate" else _number(r, tensor)
+        if value is not None:
+            kw[name] = value
+    max_tokens = kw.get("max_tokens")
+    if max_tokens is not None and not 0 < max_tokens <= max_tokens_limit:  # type: ignore[operator]
+        raise InvalidRequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    top = r.integer(T.TOP_LOGPROBS)
+    if r.flag(T.RETURN_LOG_PROBS):
+        kw["logprobs"] = top if top is not None else 0
+    elif top:
+        raise InvalidRequestError("top_logprobs needs return_log_probs=true")
+    end_id = r.integer(T.END_ID)
+    params = SamplingParams(
+        **kw,  # type: ignore[arg-type]
+        stop=tuple(s for s in r.texts(T.STOP_WORDS) if s),
+        stop_token_ids=(end_id,) if end_id is not None else (),
+    )
+    params.validate()
+    return params
+
+
+def _number(r: Reader, tensor: Tensor) -> int | float | None:
+    return r.floating(tensor) if DECODE.port(tensor).type is WireType.FP32 else r.integer(tensor)
+
+
+# -- decode ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """A generation request to ``decode``."""
+
+    ids: list[int]
+    params: SamplingParams
+    stream: bool
+    echo: bool = False  # the (unstreamed) output starts with the prompt
+
+
+def encode_decode(call: DecodeCall) -> Arrays:
+    values = {T.INPUT_IDS: call.ids, **sampling_values(call.params), T.STREAM: call.stream}
+    if call.echo:
+        values[T.EXCLUDE_INPUT_IN_OUTPUT] = False
+    return encode(DECODE, values)
+
+
+def encode_stop() -> Arrays:
+    """TensorRT-LLM's stop request: abort the live requests this call's request id names."""
+    return encode(DECODE, {T.STOP: True})
+
+
+def is_stop(get: Getter) -> bool:
+    return bool(Reader(get, DECODE.inputs).flag(T.STOP))
+
+
+def parse_decode(get: Getter, max_tokens_limit: int) -> DecodeCall:
+    r = Reader(get, DECODE.inputs)
+    params = parse_sampling(r, max_tokens_limit)
+    if not r.has(T.INPUT_IDS):
+        raise InvalidRequestError("input input_ids is missing")
+    stream = bool(r.flag(T.STREAM))
+    # as in TensorRT-LLM, only without streaming (streamed responses carry the new text only)
+    echo = r.flag(T.EXCLUDE_INPUT_IN_OUTPUT) is False and not stream
+    return DecodeCall(r.ints(T.INPUT_IDS), params, stream, echo)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePiece:
+    """One ``decode`` response: ``window`` decodes, past its first ``skip`` tokens, to the new text."""
+
+    window: tuple[int, ...]
+    skip: int
+    generated: int  # tokens generated so far (the new ones are the window's last tokens)
+    finish_reason: str  # "" until the last piece: "stop" or "length"
+    logprobs: tuple[float, ...] = ()  # of the new tokens
+    top_ids: tuple[tuple[int, ...], ...] = ()  # per new token, its top alternatives
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
+    stop_words: tuple[str, ...] = ()  # passed on to postprocessing
+
+
+def encode_piece(p: DecodePiece) -> Arrays:
+    n, k = len(p.logprobs), len(p.top_ids[0]) if p.top_ids else 0
+    values: dict[Tensor, object] = {
+        T.OUTPUT_IDS: list(p.window),
+        T.TEXT_SKIP: p.skip,
+        T.SEQUENCE_LENGTH: p.generated,
+        T.FINISH_REASON: p.finish_reason,
+        T.OUTPUT_LOG_PROBS: list(p.logprobs),
+    }
+    out = encode(DECODE, values, outputs=True)
+    out[T.TOP_LOGPROB_IDS] = np.array(p.top_ids, dtype=np.int32).reshape(n, k)
+    out[T.TOP_LOGPROB_VALUES] = np.array(p.top_logprobs, dtype=np.float32).reshape(n, k)
+    if p.stop_words:
+        out |= encode(DECODE, {T.STOP_WORDS_OUT: list(p.stop_words)}, outputs=True)
+    return out
+
+
+def parse_piece(get: Getter, top_logprobs: int | None) -> DecodePiece:
+    """A ``decode`` response (``top_logprobs``: the alternatives asked for; None: no log-probabilities)."""
+    r = Reader(get, DECODE.outputs)
+    piece = DecodePiece(
+        tuple(r.ints(T.OUTPUT_IDS)), r.integer(T.TEXT_SKIP) or 0, r.integer(T.SEQUENCE_LENGTH) or 0,
+        r.text(T.FINISH_REASON) or "",
+    )  # fmt: skip
+    if top_logprobs is None:
+        return piece
+    values = r.floats(T.OUTPUT_LOG_PROBS)
+    ids = r.matrix(T.TOP_LOGPROB_IDS, len(values))[:, :top_logprobs]
+    tops = r.matrix(T.TOP_LOGPROB_VALUES, len(values))[:, :top_logprobs]
+    return DecodePiece(
+        piece.window, piece.skip, piece.generated, piece.finish_reason, tuple(values),
+        tuple(tuple(int(t) for t in row) for row in ids), tuple(tuple(float(v) for v in row) for row in tops),
+    )  # fmt: skip
+
+
+# -- llm / preprocessing -------------------------------------------------------------------------
+def encode_llm(prompt: str, params: SamplingParams, stream: bool, chat: bool = False) -> Arrays:
+    values = {T.TEXT_INPUT: prompt, **sampling_values(params), T.STREAM: stream, T.CHAT: chat}
+    return encode(LLM, values)
+
+
+def parse_text(get: Getter) -> tuple[str, bool]:
+    """``text_input`` and ``chat`` (the preprocessing step)."""
+    r = Reader(get, SIGNATURES[Model.PREPROCESSING].inputs)
+    if not r.has(T.TEXT_INPUT):
+        raise InvalidRequestError("input text_input is missing")
+    prompt = r.text(T.TEXT_INPUT) or ""
+    if not prompt.strip():
+        raise InvalidRequestError("input text_input is empty")
+    return prompt, bool(r.flag(T.CHAT))
+
+
+def encode_ids(ids: list[int]) -> Arrays:
+    return encode(SIGNATURES[Model.PREPROCESSING], {T.INPUT_IDS: ids}, outputs=True)
+
+
+# -- postprocessing ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Window:
+    ids: list[int]
+    skip: int
+    stop_words: tuple[str, ...]
+    logprobs: list[float]
+
+
+def parse_window(get: Getter) -> Window:
+    r = Reader(get, POST.inputs)
+    skip = r.integer(T.TEXT_SKIP)
+    return Window(
+        r.ints(T.OUTPUT_IDS), skip or 0, tuple(s for s in r.texts(T.STOP_WORDS) if s), r.floats(T.OUTPUT_LOG_PROBS)
+    )
+
+
+def encode_text(text: str, logprobs: list[float]) -> Arrays:
+    return encode(POST, {T.TEXT_OUTPUT: [text], T.OUTPUT_LOG_PROBS: logprobs}, outputs=True)
+
+
+def parse_text_output(get: Getter) -> str:
+    """``text_output`` of ``llm`` (the client side): every piece joined."""
+    return "".join(Reader(get, LLM.outputs).texts(T.TEXT_OUTPUT))
+
+
+# -- prefill -----------------------------------------------------------------------------------
+def encode_prefill(req: PrefillRequest) -> Arrays:
+    return encode(PREFILL, {T.PREFILL_REQUEST: req.model_dump_json()})
+
+
+def encode_handshake(endpoints: list[RankEndpoint]) -> Arrays:
+    return encode(PREFILL, {T.HANDSHAKE: "[" + ",".join(e.model_dump_json() for e in endpoints) + "]"})
+
+
+def parse_prefill_call(get: Getter) -> PrefillRequest | list[RankEndpoint]:
+    """A prefill request, or a handshake's decode endpoints (``ValueError`` / pydantic's on bad JSON)."""
+    r = Reader(get, PREFILL.inputs)
+    if (hs := r.text(T.HANDSHAKE)) is not None:
+        return [RankEndpoint.model_validate(e) for e in json.loads(hs)]
+    if (pr := r.text(T.PREFILL_REQUEST)) is not None:
+        return PrefillRequest.model_validate_json(pr)
+    raise InvalidRequestError(f"send {T.HANDSHAKE} or {T.PREFILL_REQUEST}")
+
+
+def encode_load(load_tokens: int) -> Arrays:
+    return encode(PREFILL, {T.LOAD_TOKENS: load_tokens}, outputs=True)
+
+
+def parse_load(get: Getter) -> int:
+    return Reader(get, PREFILL.outputs).integer(T.LOAD_TOKENS) or 0
+
+
+def encode_endpoint(endpoint: RankEndpoint) -> Arrays:
+    return encode(PREFILL, {T.ENDPOINT: endpoint.model_dump_json()}, outputs=True)
+
+
+def parse_endpoint(get: Getter) -> RankEndpoint:
+    return RankEndpoint.model_validate_json(Reader(get, PREFILL.outputs).text(T.ENDPOINT) or "")
