@@ -23,9 +23,12 @@ per-layer counter and posts the writes of every layer finished since its last pa
 coalesced into one range). With ``stream_layers=False`` (the benchmark's baseline) nothing goes
 out until the engine reports the prefill done (``prefill_done``). Pages are sent whole and
 once: a page shared by two chunks is sent after the chunk that fills it (or the last chunk).
-After the last chunk the leader writes the metadata (last hidden state + logits) into the
-decoder's slot. When every write completed, FIN goes to each decode rank this rank wrote to,
+After the last chunk the leader writes the metadata (the last position's hidden state, fp32)
+into the decoder's slot. When every write completed, FIN goes to each decode rank this rank wrote to,
 and the request appears in ``completed()`` so the caller can free its source pages.
+
+Long because: one state machine (the transitions above) and the messenger thread that drives it
+read best in one place; which bytes go where is ``shard_plan``'s, how they move the transport's.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class RankEndpoint(_Msg):
     layout: KVLayoutSpec
     layer_addrs: list[int]  # base address of each layer's pool
     num_pages: int
-    meta_addr: int = 0  # decode leader: base of the metadata slots (last hidden state + logits)
+    meta_addr: int = 0  # decode leader: base of the metadata slots (the prefill's last hidden state, fp32)
     meta_slot_bytes: int = 0
     meta_slots: int = 0
 

@@ -55,6 +55,11 @@ class KVSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Submit:
     request_id: str
     prompt: str | list[int]
@@ -63,7 +68,7 @@ class _Submit:
     callback: Callback
 
 
-class DecodeLoop(ServingLoop[_Submit | str]):
+class DecodeLoop(ServingLoop[_Submit | _Cancel]):
     name = "engine-loop"
 
     def __init__(
@@ -92,18 +97,19 @@ class DecodeLoop(ServingLoop[_Submit | str]):
         self._put(_Submit(request_id, prompt, params, chat, callback))
 
     def cancel(self, request_id: str) -> None:
-        self._put(request_id)
+        self._put(_Cancel(request_id))
 
     def live(self) -> int:
         """Requests the loop still delivers to (tests of bounded state)."""
         return len(self._callbacks)
 
     # -- ServingLoop ---------------------------------------------------------------------
-    def _admit(self, item: _Submit | str) -> None:
-        if isinstance(item, str):
-            held = self.kv is not None and self.kv.cancel(item)
-            if held or self.engine.abort(item):
-                self._finish(item, RequestOutput(request_id=item, finished=True, finish_reason=FinishReason.ABORT))
+    def _admit(self, item: _Submit | _Cancel) -> None:
+        if isinstance(item, _Cancel):
+            rid = item.request_id
+            held = self.kv is not None and self.kv.cancel(rid)
+            if held or self.engine.abort(rid):
+                self._finish(rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ABORT))
                 self._stepped = True  # pages changed: report now
             return
         try:

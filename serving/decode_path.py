@@ -84,6 +84,7 @@ class KVFetcher:
         self._costs = self.placement.cost_models()
         self.local_prefills = self.remote_prefills = 0  # where prompts of two or more tokens were prefilled
         self.engine = engine
+        self.side = side
         self.link = DecodeLink(engine, side, timeout_s=kv_timeout_s)
         self.groups = groups
         self.router = Router(len(groups))
@@ -214,7 +215,7 @@ class KVFetcher:
             "fetches": len(self._pending),
             "destinations": self.link.live(),
             "fenced_pages": self.link.fenced_pages,
-            "messenger": self.link.side.live(),
+            "messenger": self.side.live(),
         }
 
     def prefill_counts(self) -> tuple[int, int]:
@@ -315,7 +316,7 @@ class KVFetcher:
                 log.warning("prefill group %d is not in this deployment's configuration: ignored", g)
                 continue
             log.info("prefill group %d is up (generation %d): connecting", g, record.generation)
-            self.link.side.connect(record.endpoints)
+            self.side.connect(record.endpoints)
             self.groups[g] = PrefillGroup.of(record)
             self.callers[g].close()
             self.callers[g] = self._caller(self.groups[g], self._call_timeout_s, self._replies)

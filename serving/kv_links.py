@@ -18,23 +18,20 @@ Each link keeps one record per live request and drops it when the request leaves
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from kv_messenger.decode_side import DecodeSide
 from kv_messenger.layout import AttentionKind, KVLayoutSpec
-from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
+from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome
 from kv_messenger.protocol import PrefillRequest
+from kv_messenger.sides import DecodeMessenger, PrefillMessenger
 from torch_engine.config import DType
 from torch_engine.connector import ConnectorPoll, ConnectorPort, KVExport, Reserved
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
 from torch_engine.sampling import InvalidRequestError
 from torch_engine.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from serving.tp_group import GroupDecodeSide, GroupPrefillSide
 
 
 def engine_layout(kv: KVExport) -> KVLayoutSpec:
@@ -71,7 +68,7 @@ class _Source:
 class PrefillLink:
     """Prefill-side connector (``KVConnector[list[PrefillOutcome]]``)."""
 
-    def __init__(self, engine: ConnectorPort, side: PrefillSide | GroupPrefillSide) -> None:
+    def __init__(self, engine: ConnectorPort, side: PrefillMessenger) -> None:
         self.engine = engine
         self.side = side
         self._jobs: dict[str, _Source] = {}
@@ -149,17 +146,33 @@ class PrefillLink:
         return len(self._jobs)
 
 
+class Hold(enum.IntEnum):
+    """Where a destination's current epoch stands with its pages.
+
+    IN_FLIGHT ──ready / releasable / undelivered──> HANDED_ON
+    IN_FLIGHT ──failover, fresh pages──> IN_FLIGHT (new epoch; the old pages fenced)
+    IN_FLIGHT ──failover, no free pages──> FENCE_WAIT ──its fence lifted──> IN_FLIGHT (new epoch, same pages)
+    FENCE_WAIT ──aborted──> HANDED_ON (the fence still holds the pages: they come back when it lifts)
+    HANDED_ON, no fence left ──> the record is dropped
+    """
+
+    IN_FLIGHT = 0  # senders write into ``pages``, pinned by this link
+    FENCE_WAIT = 1  # ``pages`` are the abandoned epoch ``epoch``'s, fenced; the next epoch starts on them
+    HANDED_ON = 2  # the current epoch is over: its pages are the engine's (ready) or freed; fences may remain
+
+
 @dataclass(slots=True)
 class _Destination:
     """A decode request whose destination pages this link holds until no write can land."""
 
-    pages: list[int] | None  # the current epoch's pages (pinned); None once they were handed on
+    pages: list[int]  # the current epoch's pages
     prompt_ids: list[int]
+    hold: Hold = Hold.IN_FLIGHT
     epoch: int = -1
     slot: int | None = None
     fences: dict[int, list[int]] = field(default_factory=dict)  # abandoned epoch -> its pages, still pinned
     fenced_slots: dict[int, int] = field(default_factory=dict)  # abandoned epoch -> its metadata slot
-    retry: list[str] | None = None  # failover waiting for the fence on its own pages: the next senders
+    retry: list[str] = field(default_factory=list)  # FENCE_WAIT: the senders of the next epoch
     seed: int = 0
 
 
@@ -176,7 +189,7 @@ class DecodeLink:
     def __init__(
         self,
         engine: ConnectorPort,
-        side: DecodeSide | GroupDecodeSide,
+        side: DecodeMessenger,
         prefill_agents: list[str] | None = None,
         timeout_s: float = 30.0,
     ) -> None:
@@ -229,7 +242,7 @@ class DecodeLink:
         returned to send now — or, with too few free pages, on the same pages once the fence
         lifts (returned later by ``retries``)."""
         job = self._jobs[request_id]
-        assert job.pages is not None, "failover of a request whose pages were handed on"
+        assert job.hold is Hold.IN_FLIGHT, f"failover of a request in {job.hold.name}"
         epoch = self.side.abandon(request_id)
         if epoch is None:  # nothing was waiting (it landed or failed meanwhile): nothing to move
             return None
@@ -241,7 +254,7 @@ class DecodeLink:
         except InvalidRequestError:
             job.fences[epoch] = job.pages
             self.fenced_pages += len(job.pages)
-            job.retry = list(prefill_agents)
+            job.hold, job.retry = Hold.FENCE_WAIT, list(prefill_agents)
             return None
         self.engine.pin_pages(fresh)
         job.fences[epoch], job.pages = job.pages, fresh
@@ -255,7 +268,7 @@ class DecodeLink:
 
     def _expect(self, rid: str, prefill_agents: list[str]) -> PrefillRequest:
         job = self._jobs[rid]
-        assert job.pages is not None
+        assert job.hold is Hold.IN_FLIGHT
         job.epoch += 1
         self.side.expect(rid, job.epoch, prefill_agents, len(job.pages), job.seed, job.slot is not None, self.timeout_s)
         return PrefillRequest(
@@ -315,9 +328,8 @@ class DecodeLink:
 
     def abort(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
-        if job is not None and job.retry is not None:  # cancelled while waiting for a fence: no new epoch
-            job.retry = None
-            job.pages = None  # the fence holds them; they come back when it lifts
+        if job is not None and job.hold is Hold.FENCE_WAIT:  # cancelled while waiting for a fence: no new epoch
+            job.hold, job.retry = Hold.HANDED_ON, []  # the fence holds the pages; they come back when it lifts
         self.side.abort(request_id)
         self.engine.abort(request_id)
 
@@ -330,8 +342,9 @@ class DecodeLink:
         slot = job.fenced_slots.pop(epoch, None)
         if slot is not None:
             self._slots.append(slot)
-        if job.retry is not None and pages is job.pages:  # failover waiting for its own pages: go now
-            agents, job.retry = job.retry, None
+        if job.hold is Hold.FENCE_WAIT and epoch == job.epoch:  # failover waiting for its own pages: go now
+            agents, job.retry = job.retry, []
+            job.hold = Hold.IN_FLIGHT  # the fence's pin is the new epoch's
             self._retries.append(self._expect(rid, agents))
         elif pages is not None:
             self.engine.unpin_pages(pages)
@@ -342,9 +355,9 @@ class DecodeLink:
         job = self._jobs.get(rid)
         if job is None:
             return
-        if job.pages is not None:
+        if job.hold is Hold.IN_FLIGHT:  # in FENCE_WAIT the fence holds them: unpinned when it lifts
             self.engine.unpin_pages(job.pages)
-            job.pages = None
+        job.hold, job.retry = Hold.HANDED_ON, []
         if job.slot is not None:
             self._slots.append(job.slot)
             job.slot = None
@@ -352,7 +365,7 @@ class DecodeLink:
 
     def _maybe_drop(self, rid: str) -> None:
         job = self._jobs[rid]
-        if job.pages is None and not job.fences:
+        if job.hold is Hold.HANDED_ON and not job.fences:
             del self._jobs[rid]
 
     def _drop(self, rid: str) -> None:

@@ -113,17 +113,17 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         with self._lock:
             records = {"outstanding": len(self._outstanding), "started": len(self._started)}
         records |= {"engine": self.engine.num_requests(), "sources": self.link.live()}
-        records |= {"messenger": self.side.jobs(), "tombstones": self.side.local.tombstones()}
+        records |= {"messenger": self.side.jobs(), "tombstones": self.side.tombstones()}
         return LoopReport(self.engine.page_stats(), waiting, running, records)
 
     # -- ServingLoop ---------------------------------------------------------------------
     def _admit(self, item: PrefillRequest) -> None:
-        if self.membership is not None and not self.side.local.connected(item.decode_ranks):
+        if self.membership is not None and not self.side.connected(item.decode_ranks):
             self._join(self.membership.poll(force=True))  # a decode group that just came back: look now
         try:
             self.link.submit(item)
         except InvalidRequestError as exc:  # refused after the call was accepted: the decoder hears why, now
-            aborted = self.side.local.was_aborted(item.request_id, item.epoch)  # a client that went away: normal
+            aborted = self.side.was_aborted(item.request_id, item.epoch)  # a client that went away: normal
             level = logging.INFO if aborted else logging.WARNING
             log.log(level, "prefill request %s epoch %d refused: %s", item.request_id, item.epoch, exc)
             self.side.refuse(item, str(exc))
@@ -145,8 +145,8 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         return self.idle_wait_s
 
     def _work(self) -> None:
-        if self.side.local.failure is not None:  # nothing would be sent any more: end (the group restarts)
-            raise RuntimeError(self.side.local.failure)
+        if self.side.failure is not None:  # nothing would be sent any more: end (the group restarts)
+            raise RuntimeError(self.side.failure)
         self._join(self.membership.poll() if self.membership is not None else None)
         if self.engine.has_unfinished():
             self._stepped = True

@@ -11,12 +11,15 @@ A tick rides on every engine step (the engine's ``TickHook``, ``set_tick_hook``:
 so a follower's side learns which forward pass completes which pages *before* it runs), and
 ``sync`` sends an idle tick when no step runs but transfers are outstanding, or as a heartbeat.
 
-``GroupPrefillSide`` / ``GroupDecodeSide`` have the interface of ``PrefillSide`` / ``DecodeSide``
-that ``PrefillLink`` / ``DecodeLink`` use, and merge the ranks: a prefill request is complete
+``GroupPrefillSide`` / ``GroupDecodeSide`` implement the messenger's Protocols
+(``kv_messenger/sides.py``) that ``PrefillLink`` / ``DecodeLink`` are typed against, and merge
+the ranks: a prefill request is complete
 when every rank finished it (its worst outcome wins); a decode request is ready when every rank
 counted all its writes, failed when any rank failed (the others are then aborted), and its
 pages are releasable only once every rank says no write can still land. With TP 1 they add
-nothing: no collective runs. ``run_follower`` is a follower rank's whole life.
+nothing: no collective runs. ``run_follower`` is a follower rank's whole life; the messages are
+``serving/tp_messages.py``'s (a follower applies its own side's commands with an exhaustive
+``match``; a command for the other side ends it with an error, never silently).
 """
 
 from __future__ import annotations
@@ -24,86 +27,33 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import torch
 
 from kv_messenger.decode_side import DecodePoll, DecodeSide
 from kv_messenger.prefill_side import PrefillJobState, PrefillOutcome, PrefillSide
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from serving.tp_messages import (
+    DECODE_COMMANDS,
+    PREFILL_COMMANDS,
+    AbandonCmd,
+    AbortCmd,
+    Command,
+    ConnectCmd,
+    DecodeCommand,
+    ExpectCmd,
+    ForgetCmd,
+    GroupTick,
+    PrefillCommand,
+    PrefillDoneCmd,
+    RankReport,
+    ScheduleCmd,
+    SubmitCmd,
+)
 from torch_engine.connector import FollowerPort
 from torch_engine.parallel import TPGroup
 from torch_engine.steps import StepInputs
-
-
-# -- commands (leader -> followers) ----------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class SubmitCmd:
-    req: PrefillRequest
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleCmd:
-    request_id: str
-    forward: int
-    tokens_done: int
-    last: bool
-    src_pages: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillDoneCmd:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class AbortCmd:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ForgetCmd:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class AbandonCmd:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectCmd:
-    request_id: str
-    epoch: int
-    prefill_agents: tuple[str, ...]
-    num_pages: int
-    seed: int
-    timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectCmd:
-    """Ranks of a group that came up later (a restarted group): every rank connects its own side."""
-
-    endpoints: tuple[RankEndpoint, ...]
-
-
-Command = SubmitCmd | ScheduleCmd | PrefillDoneCmd | AbortCmd | ForgetCmd | AbandonCmd | ExpectCmd | ConnectCmd
-
-
-@dataclass(slots=True)
-class GroupTick:
-    commands: list[Command]
-    inputs: StepInputs | None
-
-
-@dataclass(slots=True)
-class RankReport:
-    rank: int
-    completed: list[PrefillOutcome] = field(default_factory=list)  # prefill ranks
-    ready: list[str] = field(default_factory=list)  # decode ranks
-    failed: list[tuple[str, str]] = field(default_factory=list)
-    releasable: list[str] = field(default_factory=list)
-    lifted: list[tuple[str, int]] = field(default_factory=list)
 
 
 class GroupChannel:
@@ -201,6 +151,20 @@ class GroupPrefillSide:
     def refuse(self, req: PrefillRequest, reason: str) -> None:
         """The leader refused ``req`` before any follower heard of it: it answers for the group."""
         self.local.refuse(req, reason)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the leader's side can send nothing more (None: it can)."""
+        return self.local.failure
+
+    def connected(self, agents: Sequence[str]) -> bool:
+        return self.local.connected(agents)
+
+    def was_aborted(self, request_id: str, epoch: int) -> bool:
+        return self.local.was_aborted(request_id, epoch)
+
+    def tombstones(self) -> int:
+        return self.local.tombstones()
 
     def outstanding(self) -> bool:
         return bool(self._partial) or self.local.busy()
@@ -376,33 +340,54 @@ def run_follower(engine: FollowerPort, side: PrefillSide | DecodeSide | None) ->
 
 
 def _apply(side: PrefillSide | DecodeSide | None, cmd: Command, report: RankReport) -> None:
-    if isinstance(cmd, ConnectCmd):
-        if side is not None:
+    """One leader command on this rank's side; a command for the other side is a broken group."""
+    match side:
+        case PrefillSide() if isinstance(cmd, PREFILL_COMMANDS):
+            _apply_prefill(side, cmd, report)
+        case DecodeSide() if isinstance(cmd, DECODE_COMMANDS):
+            _apply_decode(side, cmd, report)
+        case None if isinstance(cmd, ConnectCmd):
+            pass  # a colocated TP group has no messenger
+        case _:
+            raise RuntimeError(f"TP follower with {type(side).__name__} got {type(cmd).__name__}")
+
+
+def _apply_prefill(side: PrefillSide, cmd: PrefillCommand, report: RankReport) -> None:
+    match cmd:
+        case ConnectCmd():
             side.connect(cmd.endpoints)
-        return
-    if isinstance(side, PrefillSide):
-        if isinstance(cmd, SubmitCmd):
+        case SubmitCmd():
             try:
                 side.submit(cmd.req)
             except ValueError as exc:  # the leader refused it too, or will hear of it here
                 report.completed.append(PrefillOutcome(cmd.req.request_id, PrefillJobState.FAILED, str(exc)))
-        elif isinstance(cmd, ScheduleCmd):
+        case ScheduleCmd():
             side.schedule(cmd.request_id, cmd.forward, cmd.tokens_done, cmd.last, cmd.src_pages)
-        elif isinstance(cmd, PrefillDoneCmd):
+        case PrefillDoneCmd():
             side.prefill_done(cmd.request_id)
-        elif isinstance(cmd, AbortCmd):
+        case AbortCmd():
             side.abort(cmd.request_id)
-    elif isinstance(side, DecodeSide):
-        if isinstance(cmd, ExpectCmd):
+        case _:
+            assert_never(cmd)
+
+
+def _apply_decode(side: DecodeSide, cmd: DecodeCommand, report: RankReport) -> None:
+    match cmd:
+        case ConnectCmd():
+            side.connect(cmd.endpoints)
+        case ExpectCmd():
             try:
-                c = cmd
-                side.expect(c.request_id, c.epoch, c.prefill_agents, c.num_pages, c.seed, False, c.timeout_s)
+                side.expect(
+                    cmd.request_id, cmd.epoch, cmd.prefill_agents, cmd.num_pages, cmd.seed, False, cmd.timeout_s
+                )
             except ValueError as exc:
                 report.failed.append((cmd.request_id, str(exc)))
                 report.releasable.append(cmd.request_id)
-        elif isinstance(cmd, AbortCmd):
+        case AbortCmd():
             side.abort(cmd.request_id)
-        elif isinstance(cmd, ForgetCmd):
+        case ForgetCmd():
             side.forget(cmd.request_id)
-        elif isinstance(cmd, AbandonCmd):
+        case AbandonCmd():
             side.abandon(cmd.request_id)
+        case _:
+            assert_never(cmd)
