@@ -1,1 +1,2 @@
-"""Command line, (later) cluster config, launch and routing."""
+"""Deploy time: the cluster config, ``disagg launch`` (renderer, supervisor), Triton provisioning,
+the router's process, the engine commands (build / generate / chat) and the deployment's client."""

@@ -22,7 +22,7 @@ from builders.build import DEFAULT_ENGINE_CACHE
 from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
 from planner.placement import PlacementSpec
-from serving.node_config import RequestLimits, RequestTimeouts
+from serving.node_config import RequestLimits, RequestTimeouts, group_name
 from torch_engine.config import DType, KVLayout, Role, SchedulerConfig, SpeculativeConfig
 
 
@@ -274,9 +274,12 @@ class RankSlot:
         return self.tp_rank == 0
 
     @property
+    def group_name(self) -> str:
+        return group_name(self.role, self.group)
+
+    @property
     def name(self) -> str:
-        kind = "prefill" if self.role is Role.PREFILL else "decode"
-        return f"{kind}{self.group}.tp{self.tp_rank}"
+        return f"{self.group_name}.tp{self.tp_rank}"
 
     def describe(self) -> str:
         kind = "prefill" if self.role is Role.PREFILL else ("decode" if self.role is Role.DECODE else "colocated")

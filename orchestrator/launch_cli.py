@@ -16,8 +16,9 @@ from pathlib import Path
 
 from orchestrator.client import Completion, chat_via_router, generate
 from orchestrator.cluster import ClusterConfig, ConfigError
-from orchestrator.launch import Launch, LaunchError, Prepared
+from orchestrator.launch import Launch, LaunchError
 from orchestrator.router_process import served_model_name
+from orchestrator.run_plan import RunPlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def _say(msg: str) -> None:
     print(f"[disagg] {msg}", file=sys.stderr, flush=True)
 
 
-def _describe(cfg: ClusterConfig, prepared: Prepared) -> None:
+def _describe(cfg: ClusterConfig, prepared: RunPlan) -> None:
     if prepared.router_url is not None:
         key = " (API key required)" if cfg.router.api_key else ""
         _say(f"OpenAI API: {prepared.router_url}{key}  (router over {cfg.decode.count} decode group(s))")
@@ -51,7 +52,7 @@ def _show(piece: str) -> None:
     sys.stdout.flush()
 
 
-async def _demo(cfg: ClusterConfig, prepared: Prepared, prompt: str, max_tokens: int) -> Completion:
+async def _demo(cfg: ClusterConfig, prepared: RunPlan, prompt: str, max_tokens: int) -> Completion:
     if prepared.router_url is not None:
         model = served_model_name(cfg.router, cfg.model)
         return await chat_via_router(prepared.router_url, model, prompt, max_tokens, cfg.router.api_key, _show)

@@ -24,15 +24,13 @@ def served_model_name(spec: RouterSpec, model: str) -> str:
     return spec.served_model_name or Path(model).stem
 
 
-def render(
-    spec: RouterSpec, bind: str, model: str, engine_dir: Path, groups: list[GroupEndpoint], max_tokens: int, path: Path
+def router_config(
+    spec: RouterSpec, bind: str, model: str, engine_dir: Path, groups: list[GroupEndpoint], max_tokens: int
 ) -> RouterConfig:
-    cfg = RouterConfig(
+    return RouterConfig(
         spec=spec, host=bind, model_name=served_model_name(spec, model), engine_dir=engine_dir, groups=groups,
         max_tokens_limit=max_tokens,
     )  # fmt: skip
-    cfg.dump(path)
-    return cfg
 
 
 class RouterProcess:

@@ -127,3 +127,32 @@ def test_tp_may_span_hosts_when_allowed() -> None:
         "hostB",
     ]  # the decode rank took one of A's 2 slots
     assert all(s.device is Device.CPU for s in prefill)
+
+
+def test_the_renderer_is_pure_and_renders_a_restart_at_the_next_generation(tiny_engine_dir, tmp_path: Path) -> None:
+    """The plan is data: rendering writes nothing and starts nothing; a group rendered again for a
+    restart gets the next generation in its node configs (new agents: its peers connect anew)."""
+    from orchestrator.run_plan import Renderer, leader_ports
+    from orchestrator.triton import TritonInstall
+
+    d = tiny_engine_dir("llama")
+    cfg = ClusterConfig.parse({"prefill": {"count": 2, "engine_dir": str(d)}, "decode": {"engine_dir": str(d)},
+                               "run_dir": str(tmp_path / "run"), "router": {"enabled": False}})  # fmt: skip
+    leaders = [s for s in cfg.rank_map() if s.is_leader]
+    ports = dict(zip([s.mpi_rank for s in leaders], leader_ports(cfg, leaders), strict=True))
+    dirs = {Role.DECODE: d, Role.PREFILL: d}
+    renderer = Renderer(cfg, tmp_path / "run", "run1", TritonInstall.find(), tmp_path / "b", dirs, ports, None)
+    plan = renderer.plan()
+    assert not (tmp_path / "run").exists()  # nothing written
+    assert list(plan.groups) == ["decode0", "prefill0", "prefill1"]
+    assert {g.name: g.script_path.name for g in plan.groups.values()}["prefill1"] == "prefill1.sh"
+    assert "decode0.sh &" in plan.launch_script and "prefill1.sh &" in plan.launch_script
+    decode = plan.groups["decode0"]
+    (node,) = decode.nodes.values()
+    assert node.agent_name == "run1-decode0.tp0-g0" and node.peer_groups == [(Role.PREFILL, 0), (Role.PREFILL, 1)]
+    assert decode.command[0].endswith("mpirun") and "DISAGG_GROUP=decode0" not in decode.command  # exported
+    assert "export DISAGG_GROUP=decode0" in decode.script and "generation 0" in decode.script
+    again = renderer.group(decode.slots, 1)
+    assert [n.agent_name for n in again.nodes.values()] == ["run1-decode0.tp0-g1"] and "generation 1" in again.script
+    assert plan.endpoints()["decode0"] == {"address": "127.0.0.1", "http": 8000, "grpc": 8001, "metrics": 8002,
+                                           "models": ["decode"]}  # fmt: skip
