@@ -29,14 +29,15 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from orchestrator.engine_cli import engine_dir_of, engine_source_arguments
+from bench.bandwidth import copy_bandwidth, read_bandwidth
+from bench.peers import PeerPoint, hf_run, llamacpp_point, load_hf
+from builders.arguments import engine_dir_of, engine_source_arguments
 from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
@@ -108,18 +109,6 @@ class Point:
     decode_over_hf: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PeerPoint:
-    """llama.cpp at batch 1 on the same weights and threads."""
-
-    weights: str
-    prefill_tok_s: float
-    decode_tok_s: float
-    decode_step_ms: float
-    engine_decode_over_peer: float = 0.0
-    step_over_floor: float = 0.0  # the batch-1 floor of the same thread count
-
-
 @dataclass(slots=True)
 class ThreadReport:
     threads: int
@@ -144,43 +133,6 @@ class Report:
     goals: dict[str, bool] = field(default_factory=dict)
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
-    if device == "cpu":
-        return fn
-
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize()
-
-    return run
-
-
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> float:
-    """Bytes per second that ``copy_`` moves between two large buffers (each byte read once, written once)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return nbytes / _median_time(_synced(lambda: dst.copy_(src), device), repeats)
-
-
-def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, device: str = "cpu") -> float:
-    """Bytes per second read by a ``sum`` over a large fp32 buffer (the floor for reading weights)."""
-    if device != "cpu":
-        nbytes = 4 << 30  # GPUs: large enough to leave the caches
-    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    buf.sum()
-    return nbytes / _median_time(_synced(buf.sum, device), repeats)
-
-
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
@@ -202,39 +154,6 @@ def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) 
     for rid in ids:
         engine.retire(rid)
     return t1 - t0, t2 - t1
-
-
-def hf_run(model: torch.nn.Module, prompts: list[list[int]], decode_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds): one forward over the prompts, and ``generate`` with
-    ``decode_tokens + 1`` new tokens minus ``generate`` with 1 (so HF's own prefill cancels out)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(ids)
-    generate: Callable[..., object] = model.generate  # type: ignore[assignment]
-
-    def gen(n: int) -> float:
-        t = time.perf_counter()
-        generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
-
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model(ids)
-        prefill = time.perf_counter() - t0
-        decode = gen(decode_tokens + 1) - gen(1)
-    return prefill, max(decode, 1e-9)
-
-
-def load_hf(engine_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    source = Path(EngineManifest.load(engine_dir).source)
-    model: torch.nn.Module
-    if source.is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
-    return torch.nn.Module.to(model, torch.device(device)).eval()
 
 
 def run(a: argparse.Namespace) -> int:
@@ -316,7 +235,9 @@ def measure(opts: Options) -> Report:
                     p.hf_aggregate_over_batch1 = p.hf_decode_tok_s / one.hf_decode_tok_s
             print(_line(threads, batch, tr.points[batch]), flush=True)
         if opts.llamacpp and opts.device == "cpu" and 1 in tr.points:
-            peer = llamacpp_point(engine, opts, threads, tr.points[1].engine_decode_tok_s)
+            prompt = _prompts(1, opts.prompt_len, mc.vocab_size, 1)[0]
+            tok_s = tr.points[1].engine_decode_tok_s
+            peer = llamacpp_point(info, opts.engine_dir, prompt, opts.decode_tokens, opts.repeats, threads, tok_s)
             if peer is not None:
                 tr.llamacpp = replace(peer, step_over_floor=peer.decode_step_ms / tr.points[1].floor_ms)
     report.goals = goals(report)
@@ -364,65 +285,6 @@ def _line(threads: int, batch: int, p: Point) -> str:
         f"{p.engine_decode_tok_s:7.1f} tok/s{hf}  step {p.engine_decode_step_ms:6.1f} ms = "
         f"x{p.step_over_floor:.2f} floor ({p.floor_ms:.1f} ms)  aggregate x{p.aggregate_over_batch1:.1f}"
     )
-
-
-def llamacpp_point(engine: LLMEngine, opts: Options, threads: int, engine_tok_s: float) -> PeerPoint | None:
-    """llama.cpp decoding the engine's GGUF source requantised to the engine's dtype; None (said) when
-    the binding is not installed or the engine was not built from a GGUF file."""
-    try:
-        import llama_cpp
-    except ImportError:
-        print("[bench] llama.cpp peer skipped: not installed (make bench-peers)", flush=True)
-        return None
-    info = engine.describe()
-    source = Path(info.source)
-    if source.suffix != ".gguf":
-        print(f"[bench] llama.cpp peer skipped: {source.name} is not a GGUF file", flush=True)
-        return None
-    kind = "BF16" if info.dtype == torch.bfloat16 else "F32"
-    weights = opts.engine_dir / f"llamacpp-{kind}.gguf"
-    if not weights.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16 if kind == "BF16" else llama_cpp.LLAMA_FTYPE_ALL_F32
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(weights).encode(), params) != 0:
-            print("[bench] llama.cpp peer skipped: requantising the GGUF failed", flush=True)
-            return None
-    n_ctx = opts.prompt_len + opts.decode_tokens + 8
-    llm = llama_cpp.Llama(
-        model_path=str(weights),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=n_ctx,
-        n_batch=opts.prompt_len,
-        verbose=False,
-    )
-    prompt = _prompts(1, opts.prompt_len, info.model.vocab_size, 1)[0]
-    pre, dec = [], []
-    for _ in range(opts.repeats):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        t1 = time.perf_counter()
-        for i in range(opts.decode_tokens):
-            llm.eval([prompt[i]])
-        dec.append(time.perf_counter() - t1)
-        pre.append(t1 - t0)
-    d = statistics.median(dec)
-    point = PeerPoint(
-        weights=kind,
-        prefill_tok_s=opts.prompt_len / statistics.median(pre),
-        decode_tok_s=opts.decode_tokens / d,
-        decode_step_ms=1e3 * d / opts.decode_tokens,
-    )
-    point = replace(point, engine_decode_over_peer=engine_tok_s / point.decode_tok_s)
-    print(
-        f"threads {threads} llama.cpp ({kind}) batch 1: prefill {point.prefill_tok_s:7.0f} tok/s  decode "
-        f"{point.decode_tok_s:6.1f} tok/s  step {point.decode_step_ms:.1f} ms; engine / llama.cpp "
-        f"x{point.engine_decode_over_peer:.2f}",
-        flush=True,
-    )
-    return point
 
 
 def goals(report: Report) -> dict[str, bool]:

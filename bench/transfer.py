@@ -17,24 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
+from bench.transfer_decoder import AwaitRaw, Close, Connect, Decoder, Expect, Setup
+from builders.arguments import engine_dir_of, engine_source_arguments
 from kv_messenger.config import NixlBackend
-from kv_messenger.decode_side import DecodeSide
 from kv_messenger.layout import AttentionKind, KVLayoutSpec
 from kv_messenger.prefill_side import PrefillSide, ProgressSource
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import TransferState
 from kv_messenger.transport.nixl import NixlTransport
-from orchestrator.engine_cli import engine_dir_of, engine_source_arguments
 from serving.kv_links import PrefillLink, engine_layout
 from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig
 from torch_engine.engine import LLMEngine
@@ -52,126 +50,8 @@ class _AllDone:
         return 1 << 40
 
 
-# -- the decode child's typed messages (parent -> child; each answered by one reply) ---------------
-@dataclass(frozen=True, slots=True)
-class Setup:
-    layout_json: str
-    num_pages: int
-    meta_bytes: int
-    agent: str
-
-
-@dataclass(frozen=True, slots=True)
-class Connect:
-    endpoint_json: str
-
-
-@dataclass(frozen=True, slots=True)
-class Expect:
-    """Count a request's writes; answered by ``Ack`` at once and by ``Ready`` when it is over."""
-
-    request_id: str
-    sender: str
-    num_pages: int
-    meta: bool
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitRaw:
-    """Wait for the raw write's notification; answered by ``Ready``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Exit:
-    pass
-
-
-Command = Setup | Connect | Expect | AwaitRaw | Close | Exit
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    endpoint_json: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    at: float  # time.monotonic() on the child (same clock: one machine)
-    failed: tuple[tuple[str, str], ...] = ()
-
-
-def _decode_process(conn: Connection, backend: NixlBackend) -> None:
-    torch.set_num_threads(1)
-    side: DecodeSide | None = None
-    while True:
-        cmd: Command = conn.recv()
-        if isinstance(cmd, Exit):
-            return
-        if isinstance(cmd, Setup):
-            spec = KVLayoutSpec.model_validate_json(cmd.layout_json)
-            pools = [torch.zeros(cmd.num_pages, spec.page_bytes, dtype=torch.uint8) for _ in range(spec.num_layers)]
-            meta_slots = 1 if cmd.meta_bytes else 0
-            side = DecodeSide(NixlTransport(cmd.agent, backend), spec, pools, cmd.meta_bytes, meta_slots)
-            conn.send(Ack(side.endpoint().model_dump_json()))
-        elif isinstance(cmd, Close):
-            if side is not None:
-                side.transport.close()
-            side = None
-            conn.send(Ack())
-        else:
-            assert side is not None, f"{type(cmd).__name__} before Setup"
-            _serve(conn, side, cmd)
-
-
-def _serve(conn: Connection, side: DecodeSide, cmd: Connect | Expect | AwaitRaw) -> None:
-    if isinstance(cmd, Connect):
-        side.connect([RankEndpoint.model_validate_json(cmd.endpoint_json)])
-        conn.send(Ack())
-    elif isinstance(cmd, Expect):  # count until ready, then answer with the time it happened
-        side.expect(cmd.request_id, 0, [cmd.sender], cmd.num_pages, 0, cmd.meta, 120)
-        conn.send(Ack())
-        while True:
-            polled = side.poll()
-            if polled.ready or polled.failed:
-                conn.send(Ready(time.monotonic(), tuple(polled.failed)))
-                return
-            time.sleep(20e-6)
-    else:
-        while not [n for n in side.transport.notifications() if n[1] == b"raw"]:
-            time.sleep(20e-6)
-        conn.send(Ready(time.monotonic()))
-
-
-class _Decoder:
-    def __init__(self, backend: NixlBackend) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_process, args=(child, backend), daemon=True)
-        self.proc.start()
-
-    def call(self, cmd: Command) -> Ack:
-        self.conn.send(cmd)
-        reply = self.conn.recv()
-        assert isinstance(reply, Ack), f"expected Ack, got {reply!r}"
-        return reply
-
-    def ready(self) -> Ready:
-        reply = self.conn.recv()
-        assert isinstance(reply, Ready), f"expected Ready, got {reply!r}"
-        return reply
-
-    def stop(self) -> None:
-        self.conn.send(Exit())
-        self.proc.join(10)
-
-
 def _pair(
-    dec: _Decoder,
+    dec: Decoder,
     tag: str,
     layout: KVLayoutSpec,
     pools: list[torch.Tensor],
@@ -200,7 +80,7 @@ def _request(rid: str, n_tokens: int, pages: list[int], agent: str, meta: bool) 
     )
 
 
-def throughput(dec: _Decoder, tag: str, layout: KVLayoutSpec, n_pages: int, repeats: int) -> Throughput:
+def throughput(dec: Decoder, tag: str, layout: KVLayoutSpec, n_pages: int, repeats: int) -> Throughput:
     """Messenger vs raw NIXL vs memcpy GB/s for ``n_pages`` pages of every layer."""
     pools = [torch.randint(0, 255, (n_pages, layout.page_bytes), dtype=torch.uint8) for _ in range(layout.num_layers)]
     side = _pair(dec, tag, layout, pools, _AllDone())
@@ -305,7 +185,7 @@ def engine_alone(engine: LLMEngine, tokens: int) -> float:
     return forwards.times[-1] - start
 
 
-def exposed(dec: _Decoder, opts: Options, posts: int | None, run: int) -> Exposure:
+def exposed(dec: Decoder, opts: Options, posts: int | None, run: int) -> Exposure:
     """Prefill end -> decoder ready, while a fresh engine really runs the chunked prefill; ``posts``:
     layers per post (None: nothing is sent before the prefill ends)."""
     tokens = opts.tokens
@@ -360,7 +240,7 @@ class SweepPoint:
     hidden_ms: float  # the unstreamed exposed time minus this one
 
 
-def sweep(dec: _Decoder, opts: Options, settings: list[int | None]) -> tuple[float, list[SweepPoint]]:
+def sweep(dec: Decoder, opts: Options, settings: list[int | None]) -> tuple[float, list[SweepPoint]]:
     """Every setting ``opts.repeats`` times, in alternating order, plus the engine alone; medians."""
     alone: list[float] = []
     runs: dict[int | None, list[Exposure]] = {s: [] for s in settings}
@@ -455,7 +335,7 @@ def _cases(opts: Options) -> dict[str, tuple[KVLayoutSpec, int]]:
 
 
 def measure(opts: Options) -> Report:
-    dec = _Decoder(opts.backend)
+    dec = Decoder(opts.backend)
     report = Report(opts.backend.value, opts.tokens, opts.chunk, opts.repeats)
     try:
         cases = _cases(opts)

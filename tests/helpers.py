@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import random
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +16,15 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 
 from builders import BuildOptions, build_engine
 from kv_messenger.protocol import PrefillRequest
+from orchestrator.triton import TritonServer
+from planner.profile import DecodeGrid, HardwareProfile, ProfileSource
 from serving.kv_links import DecodeLink
 from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
 from torch_engine.connector import Placement, RefusalReason, Refused, Reserved
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
 from torch_engine.sampling import SamplingParams
+from torch_engine.speculator import Speculator
 from torch_engine.tokenizer import Tokenizer
 
 _COMMON: dict[str, Any] = {
@@ -242,8 +247,6 @@ def tp_generate(
 
     import torch.distributed as dist
 
-    from torch_engine.sampling import SamplingParams
-
     torch.set_num_threads(1)
     PATH.fast_cpu = fast_cpu
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -312,3 +315,52 @@ def start_split(
     adm = link.engine.admit_for_kv(prompt, params, request_id, lambda load, n: Placement.REMOTE)
     assert isinstance(adm, Reserved), adm
     return link.start(adm, prompt, seed, meta)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A seeded prompt of token ids in the tiny models' vocabulary (256)."""
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def speculating_engine(
+    engine_dir: Path, spec: SpeculativeConfig | None, speculator: Speculator | None = None, **kw: Any
+) -> LLMEngine:
+    """The speculative-decoding tests' engine: small chunks and budget, fp32; ``spec`` None: no drafting."""
+    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=48, max_num_seqs=16)
+    settings: dict[str, object] = {"num_pages": 256, "scheduler": sched, "dtype": "float32"}
+    if spec is not None:
+        settings["speculative"] = spec
+    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False, speculator=speculator)
+
+
+def linear_profile(
+    per_token: float = 0.001, base: float = 0.01, per_seq: float = 0.002, per_ctx: float = 1e-6,
+    link: float = 1e9, kv: int = 1000,
+) -> HardwareProfile:  # fmt: skip
+    """prefill(n) = base + n * per_token; decode(b, c) = base + b * per_seq + b * c * per_ctx."""
+    tokens = [1, 64, 256, 1024]
+    batches, contexts = [1, 4, 16], [64, 1024]
+    return HardwareProfile(
+        name="synthetic",
+        source=ProfileSource.MEASURED,
+        model="synthetic",
+        prefill=[(n, base + n * per_token) for n in tokens],
+        decode=DecodeGrid(
+            batches=batches,
+            contexts=contexts,
+            seconds=[[base + b * per_seq + b * c * per_ctx for c in contexts] for b in batches],
+        ),
+        kv_bytes_per_token=kv,
+        link_bytes_per_s=link,
+    )
+
+
+def metric(srv: TritonServer, name: str, labels: str = "") -> float:
+    """One Prometheus sample of a running server (its first line matching ``name`` and ``labels``)."""
+    with urllib.request.urlopen(f"http://{srv.host}:{srv.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} {labels} not found")

@@ -195,6 +195,18 @@ def test_no_import_circle_in_the_tree() -> None:
     assert not circles, "; ".join(circles)
 
 
+def test_long_files_say_why_at_their_top() -> None:
+    """A module over ~400 lines states, in its docstring, why it is one file (``Long because:``)."""
+    long = [
+        f"{path.relative_to(ROOT)} ({n} lines)"
+        for pkg in PACKAGES
+        for path in _sources(pkg)
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 420
+        and "Long because:" not in (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "")
+    ]
+    assert not long, "; ".join(long)
+
+
 def _function_lengths(path: Path) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return [
@@ -228,3 +240,45 @@ def test_model_repository_uses_the_shared_names() -> None:
         role = re.search(r'key: "role" value: \{ string_value: "([^"]+)"', text)
         if role is not None:
             assert BackendRole(role.group(1)) is not None
+
+
+_PORT = re.compile(r'\{\s*name:\s*"([^"]+)"\s+data_type:\s*(\w+)\s+dims:\s*\[([^\]]*)\](\s+optional:\s*true)?')
+
+
+def _section(text: str, name: str) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    body = re.search(rf"^{name} \[(.*?)^\]", text, re.M | re.S)
+    assert body is not None, name
+    found = _PORT.findall(body.group(1))
+    return [(n, kind, tuple(int(d) for d in dims.split(",")), bool(opt)) for n, kind, dims, opt in found]
+
+
+def test_model_configs_match_the_wire_contract() -> None:
+    """Each model's inputs and outputs in ``model_repo/*/config.pbtxt`` are exactly its ``Signature``
+    in ``serving.wire`` (names, types, dims, optional), and every model has one."""
+    from serving.names import Model
+    from serving.wire import SIGNATURES
+
+    seen = set()
+    for config in sorted((ROOT / "model_repo").glob("*/config.pbtxt")):
+        text = config.read_text(encoding="utf-8")
+        model = Model(re.search(r'^name: "([^"]+)"', text, re.M).group(1))  # type: ignore[union-attr]
+        sig = SIGNATURES[model]
+        seen.add(model)
+        for name, ports in (("input", sig.inputs), ("output", sig.outputs)):
+            want = [(p.tensor.value, p.type.config, p.dims, p.optional and name == "input") for p in ports]
+            assert sorted(_section(text, name)) == sorted(want), f"{model} {name}s"
+        batch = re.search(r"^max_batch_size: (\d+)", text, re.M)
+        assert batch is not None and int(batch.group(1)) == sig.max_batch_size, model
+    assert seen == set(SIGNATURES) == set(Model)
+
+
+def test_test_modules_share_helpers_not_each_other() -> None:
+    """Shared test code lives in helper modules (``tests/helpers.py``, the harnesses), never in a
+    test module that another imports (its tests would be collected twice, its fixtures tangled)."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for name in _imports_full(path)
+        if re.match(r"tests(\.e2e)?\.test_", name)
+    ]
+    assert not bad, "; ".join(bad)

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from tests.helpers import tiny_engine, try_reserve
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine, try_reserve
 from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import FinishReason, RequestKind, RequestState
 from torch_engine.sampling import SamplingParams

@@ -9,10 +9,8 @@ from pathlib import Path
 from planner.placement import PlacementSpec, PrefillPlacement
 from planner.profile import HardwareProfile
 from serving.trace import Tracer, read_trace
-from tests.helpers import tiny_engine
-from tests.test_engine_equivalence import prompt_of
-from tests.test_fencing import GREEDY, ScriptedCaller, cluster, wait_for
-from tests.test_planner import linear_profile
+from tests.helpers import linear_profile, prompt_of, tiny_engine
+from tests.split_harness import GREEDY, ScriptedCaller, cluster, wait_for
 
 Outcome = tuple[list[list[int]], tuple[int, int]]  # tokens per request, (local, remote) prefills
 

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.helpers import tiny_engine
+from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import KVLayout
 from torch_engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("engine_path")  # reference, fast (packed) and decode-graph paths
 
 GREEDY = SamplingParams(max_tokens=12)
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(length)]
 
 
 def run_with_logits(engine, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], torch.Tensor]:

@@ -11,8 +11,7 @@ from kv_messenger.decode_side import DecodeSide
 from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport import MemoryFabric
 from serving.kv_links import DecodeLink, PrefillLink, engine_layout, metadata_bytes
-from tests.helpers import mtp_reference, start_split, tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import mtp_reference, prompt_of, start_split, tiny_engine
 from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.request import RequestKind
 from torch_engine.sampling import SamplingParams

@@ -11,9 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from builders.errors import BuildError
-from tests.helpers import build_tiny, mtp_reference
-from tests.test_engine_equivalence import prompt_of
-from tests.test_speculative import engine as speculating_engine
+from tests.helpers import build_tiny, mtp_reference, prompt_of, speculating_engine
 from torch_engine.config import EngineManifest, KVLayout, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.request import Request, RequestKind

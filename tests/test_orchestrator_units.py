@@ -21,8 +21,7 @@ from serving.prefill_client import Delivery
 from serving.prefill_loop import PrefillLoop
 from serving.router import NoPrefillGroup, Router
 from serving.tp_group import GroupChannel, GroupDecodeSide
-from tests.helpers import tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import Role
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import SamplingParams

@@ -15,34 +15,13 @@ from disagg.cli import main
 from planner.gpus import GPUS, DoesNotFit, roofline_profile
 from planner.model_shape import ModelShape
 from planner.placement import PlacementInputs, PlacementSpec, PrefillPlacement, decide
-from planner.profile import CostModel, DecodeGrid, HardwareProfile, ProfileSource
+from planner.profile import CostModel, DecodeGrid, HardwareProfile
 from planner.search import goodput, simulate
 from planner.simulator import Deployment, Handover, Mode, Role, Simulator
 from planner.workload import SLO, Lengths, Workload
+from tests.helpers import linear_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "planner"
-
-
-def linear_profile(
-    per_token: float = 0.001, base: float = 0.01, per_seq: float = 0.002, per_ctx: float = 1e-6,
-    link: float = 1e9, kv: int = 1000,
-) -> HardwareProfile:  # fmt: skip
-    """prefill(n) = base + n * per_token; decode(b, c) = base + b * per_seq + b * c * per_ctx."""
-    tokens = [1, 64, 256, 1024]
-    batches, contexts = [1, 4, 16], [64, 1024]
-    return HardwareProfile(
-        name="synthetic",
-        source=ProfileSource.MEASURED,
-        model="synthetic",
-        prefill=[(n, base + n * per_token) for n in tokens],
-        decode=DecodeGrid(
-            batches=batches,
-            contexts=contexts,
-            seconds=[[base + b * per_seq + b * c * per_ctx for c in contexts] for b in batches],
-        ),
-        kv_bytes_per_token=kv,
-        link_bytes_per_s=link,
-    )
 
 
 def test_cost_curves_interpolate_and_extrapolate_linearly() -> None:

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import engine_config
-from tests.test_engine_equivalence import prompt_of
-from torch_engine.config import KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
+from tests.helpers import engine_config, prompt_of, speculating_engine
+from torch_engine.config import KVLayout, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 from torch_engine.speculative import NgramDrafter, rejection_sample, verify_greedy
@@ -25,11 +24,7 @@ NGRAM = SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=4)
 def engine(
     engine_dir: Path, spec: SpeculativeConfig | None = NGRAM, speculator: Speculator | None = None, **kw: Any
 ) -> LLMEngine:
-    sched = SchedulerConfig(max_prefill_chunk=16, max_num_batched_tokens=48, max_num_seqs=16)
-    settings: dict[str, object] = {"num_pages": 256, "scheduler": sched, "dtype": "float32"}
-    if spec is not None:
-        settings["speculative"] = spec
-    return LLMEngine(engine_config(engine_dir, **settings | kw), load_tokenizer=False, speculator=speculator)
+    return speculating_engine(engine_dir, spec, speculator, **kw)
 
 
 def repetitive(n: int, seed: int) -> list[int]:

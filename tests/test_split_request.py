@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import copy_pages, reserve, tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import copy_pages, prompt_of, reserve, tiny_engine
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.request import RequestKind, RequestState

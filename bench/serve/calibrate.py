@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from bench.engine import copy_bandwidth
+from bench.bandwidth import copy_bandwidth
 from bench.profile import measure_profile
 from planner.profile import HardwareProfile
 from torch_engine.config import DType, EngineConfig, SchedulerConfig

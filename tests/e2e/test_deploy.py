@@ -19,8 +19,7 @@ import pytest
 from orchestrator.launch import Launch, run_processes
 from orchestrator.triton import port_free, stop_group
 from tests.deploy_harness import cluster, deployed, grpc_url, run_ids, run_texts
-from tests.helpers import tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import EngineConfig, Role, SchedulerConfig, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams

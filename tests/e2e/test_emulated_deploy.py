@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import tiny_engine
+from tests.helpers import prompt_of, tiny_engine
 from tests.netns import EmulatedHosts, available
-from tests.test_engine_equivalence import prompt_of
 from torch_engine.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

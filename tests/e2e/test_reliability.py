@@ -25,8 +25,7 @@ from orchestrator.client import Completion, generate_ids
 from orchestrator.cluster import ClusterConfig
 from orchestrator.launch import Launch, run_processes
 from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
-from tests.helpers import tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine
 from torch_engine.sampling import SamplingParams
 
 SCHED = {"max_num_seqs": 16, "max_num_batched_tokens": 32, "max_prefill_chunk": 16}

@@ -20,8 +20,7 @@ from orchestrator.launch import Launch
 from serving.names import Model, Tensor
 from serving.node_config import AUTH_HEADER, GRPC_AUTH_HEADER
 from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
-from tests.helpers import tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import Role
 from torch_engine.sampling import SamplingParams
 

@@ -7,8 +7,7 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from tests.helpers import tiny_engine, tp_generate
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import prompt_of, tiny_engine, tp_generate
 from torch_engine.sampling import SamplingParams
 
 PROMPTS = [prompt_of(23, 1), prompt_of(7, 2), prompt_of(41, 3)]

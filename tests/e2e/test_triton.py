@@ -13,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from orchestrator.triton import SHM_DIR, Ports, TritonError, TritonInstall, TritonServer
+from tests.helpers import metric
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -217,15 +218,6 @@ def test_port_in_use_and_missing_binary(server: TritonServer, tmp_path: Path) ->
     broken = TritonInstall(tmp_path / "nope", install.libs, install.python_backend, install.stub)
     with pytest.raises((TritonError, FileNotFoundError)):
         TritonServer(ROOT / "model_repo", tmp_path / "y", tmp_path / "node.yaml", Ports.free(), install=broken).start()
-
-
-def metric(srv: TritonServer, name: str, labels: str = "") -> float:
-    with urllib.request.urlopen(f"http://{srv.host}:{srv.ports.metrics}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name) and labels in line and not line.startswith("#"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} {labels} not found")
 
 
 def test_metrics_are_published(server: TritonServer) -> None:

@@ -16,8 +16,7 @@ from kv_messenger.protocol import RankEndpoint
 from kv_messenger.transport.nixl import NixlTransport
 from orchestrator.triton import Ports, TritonServer
 from serving.kv_links import DecodeLink, engine_layout, metadata_bytes
-from tests.helpers import start_split, tiny_engine
-from tests.test_engine_equivalence import prompt_of
+from tests.helpers import metric, prompt_of, start_split, tiny_engine
 from torch_engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +71,6 @@ def test_prefill_node_over_triton(kind: str, tiny_engine_dir, tmp_path: Path) ->
             decode.step()
         got = [decode.request(f"r{i}").output_ids for i in range(3)]
         client.close()
-        from tests.e2e.test_triton import metric
 
         deadline = time.monotonic() + 10  # the last FIN, then the metrics
         while metric(srv, "disagg_kv_transfer_seconds_count") < 3 and time.monotonic() < deadline:

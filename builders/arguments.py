@@ -1,0 +1,41 @@
+"""The arguments every command that needs an engine shares (``engine_source_arguments``), and how
+they become an engine directory (``engine_dir_of``: ``--engine`` as given, else built from
+``--model`` and cached by fingerprint)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from builders import BuildOptions, build_engine
+from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir
+from torch_engine.config import DType, KVLayout, Role
+
+
+def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFLOAT16) -> None:
+    p.add_argument("--model", default="smollm2", help="checkpoint: 'smollm2' (embedded), a .gguf file or an HF folder")
+    p.add_argument("--engine", type=Path, default=None, help="use this engine directory instead of building one")
+    p.add_argument("--dtype", choices=[d.value for d in DType], default=dtype.value)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.HND.value)
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_ENGINE_CACHE, help="where built engines are cached")
+    p.add_argument("--mtp-head", type=Path, default=None, help="attach this trained MTP head (disagg train-mtp)")
+
+
+def build_options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOptions:
+    return BuildOptions(
+        role=role,
+        tp_size=a.tp,
+        dtype=DType(a.dtype),
+        page_size=a.page_size,
+        kv_layout=KVLayout(a.layout),
+        mtp_head=a.mtp_head,
+    )
+
+
+def engine_dir_of(a: argparse.Namespace, role: Role = Role.COLOCATED) -> Path:
+    if a.engine is not None:
+        return Path(a.engine)
+    opts = build_options(a, role)
+    return build_engine(a.model, default_engine_dir(a.cache_dir, a.model, opts), opts)
