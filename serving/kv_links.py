@@ -66,7 +66,8 @@ class _Source:
 
 
 class PrefillLink:
-    """Prefill-side connector (``KVConnector[list[PrefillOutcome]]``)."""
+    """Prefill-side connector: a ``StepObserver`` attached to the engine (it must see each step's
+    chunks before the forward pass), polled for the transfers that ended."""
 
     def __init__(self, engine: ConnectorPort, side: PrefillMessenger) -> None:
         self.engine = engine
@@ -177,7 +178,8 @@ class _Destination:
 
 
 class DecodeLink:
-    """Decode-side connector (``KVConnector[ConnectorPoll]``).
+    """Decode-side connector: polled between steps (``poll() -> ConnectorPoll``); it needs no step
+    callbacks, so it is not attached to the engine.
 
     Pages are pinned from ``start`` until no write of the epoch that named them can land: ready
     (the engine takes them over), releasable (failed / aborted, every sender closed or the grace

@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -80,17 +80,6 @@ class ConnectorPoll:
     ready: list[str] = field(default_factory=list)  # every KV write landed
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error)
     releasable: list[str] = field(default_factory=list)  # pages of failed / aborted requests: no write can land
-
-
-PollT_co = TypeVar("PollT_co", covariant=True)
-
-
-class KVConnector(StepObserver, Protocol[PollT_co]):
-    """A connector attached to an engine (``attach``): observes steps, is polled between them.
-    Decode side: ``poll() -> ConnectorPoll``; prefill side: the finished transfers, whose source
-    pages it has just released."""
-
-    def poll(self) -> PollT_co: ...
 
 
 # -- what the engine reports --------------------------------------------------------------
