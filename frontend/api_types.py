@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_STOP_CHARS = 1000  # per stop sequence (OpenAI allows 4 of them); matching is linear in the text anyway
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -56,6 +58,9 @@ class _Request(BaseModel):
             raise ValueError(f"at most 4 stop sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {longest}")
         return stop
 
     @property

@@ -68,6 +68,29 @@ def _client_request_id(request: web.Request) -> str | None:
     return given
 
 
+async def _body(request: web.Request) -> bytes:
+    """The raw body; one over the router's limit is OpenAI's 413 (not aiohttp's own text)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.client_max_size
+        raise ApiError(413, f"the body is larger than {limit} bytes", code="request_too_large") from None
+
+
+def _json_body(body: bytes) -> object:
+    """JSON is UTF-8 (RFC 8259) whatever the declared charset; every way it can be malformed is a 400."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
+
+
 def error_response(e: ApiError) -> web.Response:
     return _json(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, param=e.param, code=e.code)), e.status)
 
@@ -124,6 +147,12 @@ class Router:
             return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
         except web.HTTPMethodNotAllowed:
             return error_response(ApiError(405, f"{request.method} is not allowed on {request.path}"))
+        except web.HTTPException:
+            raise  # aiohttp's own answers (none reach here from our routes)
+        except Exception as exc:  # a bug of ours: the client gets OpenAI's shape, the server goes on
+            log.exception("request %s %s failed", request.method, request.path)
+            self.metrics.requests.labels(request.path, "500").inc()
+            return error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -158,12 +187,11 @@ class Router:
         return await self._serve(request, req, ids, self.gen.request_id("cmpl"))
 
     async def _parse(self, request: web.Request, kind: type[R]) -> R:
-        try:
-            raw = await request.json()
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        raw = _json_body(await _body(request))
         try:
             req = kind.model_validate(raw)
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply") from None
         except ValidationError as exc:
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or None
@@ -178,6 +206,9 @@ class Router:
     async def _serve(
         self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int], rid: str
     ) -> web.StreamResponse:
+        if not ids:  # e.g. a prompt of control characters only: nothing to send upstream
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise ApiError(400, "the prompt is empty: it has no tokens", param=param)
         sampling = self.gen.sampling(req)
         outcome = Outcome(prompt_tokens=len(ids))
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)

@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 from torch_engine.tokenizer import Tokenizer, window_text
 
 
+def overlap(text: str, stop: str) -> int:
+    """The longest ``k < len(stop)`` with ``text`` ending in ``stop[:k]`` (what could still become
+    ``stop``), in time linear in ``len(stop)`` (Knuth-Morris-Pratt's prefix function over
+    ``stop[:-1]``, a separator, and the tail of ``text`` that could matter)."""
+    if len(stop) < 2 or not text:
+        return 0
+    head = stop[:-1]
+    s = [*head, None, *text[-len(head) :]]
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        k = pi[i - 1]
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        pi[i] = k + 1 if s[i] == s[k] else 0
+    return pi[-1]
+
+
 @dataclass(slots=True)
 class StopCutter:
     stops: tuple[str, ...]
@@ -26,7 +43,7 @@ class StopCutter:
         if found:
             self.hit, self.held = True, ""
             return s[: min(found)]
-        keep = max((k for x in self.stops for k in range(1, len(x)) if s.endswith(x[:k])), default=0)
+        keep = max((overlap(s, x) for x in self.stops), default=0)
         self.held = s[len(s) - keep :]
         return s[: len(s) - keep]
 

@@ -147,8 +147,15 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
                 )
         if self.engine.has_unfinished():
             for out in self.engine.step():
-                delta = self._with_text(out)
-                if out.finished:
+                try:
+                    delta = self._with_text(out)
+                except Exception as exc:  # the tokenizer's own error types: this request fails, the others go on
+                    log.warning("request %s: detokenising failed: %s", out.request_id, exc)
+                    error = f"detokenising failed: {exc}"
+                    delta = RequestOutput(
+                        request_id=out.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error
+                    )
+                if delta.finished:
                     self._finish(out.request_id, delta)
                 else:
                     self._call(self._callbacks[out.request_id], delta)

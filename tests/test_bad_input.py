@@ -7,10 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import tiny_engine
+from torch_engine import sampling
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason, RequestState
 from torch_engine.sampling import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 
 
@@ -125,4 +128,31 @@ def test_extreme_sampling_values_are_served_beside_a_stream(engine: LLMEngine, p
             list(engine.request(rid).output_ids)
             == engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
         )
+    assert engine.page_stats().used == 0
+
+
+def test_a_failure_in_one_requests_sampling_fails_that_request_only(engine: LLMEngine, monkeypatch) -> None:
+    """Whatever makes one request's distribution unsampleable (here: NaN probabilities for the
+    request seeded 13), that request ends with an error naming it, its pages come back, and the
+    step, the other streams and later requests go on with their own tokens."""
+    real = sampling.probabilities
+
+    def poisoned(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        out = real(logits, p)
+        return torch.full_like(out, float("nan")) if p.seed == 13 else out
+
+    others = [[7, 8, 9, 10], [3, 4, 5]]
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    alone = engine.generate(others, params)
+    monkeypatch.setattr(sampling, "probabilities", poisoned)
+    bad = engine.add_request([11, 12, 13], SamplingParams(max_tokens=6, temperature=0.8, seed=13))
+    ids = [engine.add_request(p, params) for p in others]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    failed = [o for o in outs if o.request_id == bad]
+    assert len(failed) == 1 and failed[0].finish_reason is FinishReason.ERROR
+    assert failed[0].error is not None and "sampling failed" in failed[0].error
+    assert engine.request(bad).state is RequestState.FAILED
+    assert [list(engine.request(i).output_ids) for i in ids] == alone
     assert engine.page_stats().used == 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -18,30 +18,8 @@ from frontend.groups import Group, GroupPool
 from frontend.server import Router
 from frontend.text import StopCutter
 from frontend.upstream import GroupUnavailable, Piece, Refused
+from tests.router_harness import Script, ScriptedPool, healthy
 from torch_engine.sampling import SamplingParams
-
-Script = Callable[[str, list[int], SamplingParams], AsyncGenerator[Piece, None]]
-
-
-class ScriptedPool(GroupPool):
-    """Groups that are all up; nothing is probed or connected."""
-
-    def open(self) -> None:
-        for g in self.groups:
-            g.client = cast(Any, g.name)  # the fake stream gets the group's name as its "client"
-            g.up = True
-
-    async def probe(self, timeout_s: float) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-async def healthy(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
-    tokens = [ids[-1]] * s.max_tokens  # repeats the prompt's last token
-    for i in range(1, len(tokens) + 1):
-        yield Piece(tuple(tokens[:i]), i - 1, i, "length" if i == len(tokens) else "")
 
 
 async def down(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:

@@ -39,15 +39,16 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
     chosen = logits[[first[id(c)] for c in sampled]].float()
     if any(p.penalized for p in params):
         apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
-    tokens = sample(chosen, params, [r.sampler for r in reqs])
-    wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
+    failed: dict[int, str] = {}
+    tokens = sample(chosen, params, [r.sampler for r in reqs], failed)
+    wanted = [j for j, p in enumerate(params) if p.logprobs is not None and j not in failed]
     logprobs: dict[int, TokenLogprobs] = {}
     if wanted:
         found = logprobs_of(chosen[wanted], [tokens[j] for j in wanted], [params[j].logprobs or 0 for j in wanted])
         logprobs = {j: lp for j, lp in zip(wanted, found, strict=True)}
     for j, c in enumerate(sampled):
         lp = logprobs.get(j)
-        picks[id(c)] = Picked([tokens[j]], [lp] if lp is not None else [])
+        picks[id(c)] = Picked([], [], failed[j]) if j in failed else Picked([tokens[j]], [lp] if lp is not None else [])
     for c in rows:
         if c.request.want_last_hidden:
             i = first[id(c)]
@@ -83,6 +84,11 @@ class Outputs:
         outputs = []
         for c in sched.chunks:
             req = c.request
+            failed = picks.get(id(c))
+            if failed is not None and failed.error is not None:  # this request alone fails
+                self.finish(req, RequestState.FAILED, FinishReason.ERROR, failed.error)
+                outputs.append(self._failure(req, failed.error))
+                continue
             if c.draft:
                 p = picks[id(c)]
                 req.num_computed += len(p.tokens)  # its next token and the accepted drafts now have KV
@@ -120,6 +126,12 @@ class Outputs:
             drafts=(req.spec.proposed, req.spec.accepted),
         )
 
+    def _failure(self, req: Request, error: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error,
+            output_ids=list(req.output_ids), prompt_tokens=len(req.prompt_ids),
+        )  # fmt: skip
+
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req.output_ids.append(token)
         p = req.params
@@ -127,13 +139,20 @@ class Outputs:
         delta = ""
         detok = self._detok.get(req.request_id)
         if detok is not None:
-            delta = detok.push([token])
-            hit = next((s for s in p.stop if s in detok.text), None)
+            try:
+                delta = detok.push([token])
+            except Exception as exc:  # the tokenizer's own error types: this request fails, not the step
+                self.finish(req, RequestState.FAILED, FinishReason.ERROR, f"detokenising failed: {exc}")
+                return self._failure(req, f"detokenising failed: {exc}")
+            # a stop string can newly appear only where it overlaps the new text: search that tail
+            text = detok.text
+            tail = text[-(len(delta) + max(map(len, p.stop))) :] if delta else ""
+            hit = next((s for s in p.stop if s in tail), None)
             if hit is not None:
-                req.text = detok.text[: detok.text.index(hit)]
+                req.text = text[: len(text) - len(tail) + tail.index(hit)]
                 reason = FinishReason.STOP
             else:
-                req.text = detok.text
+                req.text = text
         if reason is None and ((token in self._eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             reason = FinishReason.STOP
         elif reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self._max_model_len):

@@ -158,13 +158,25 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return rows.softmax(-1).float()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplerState]) -> list[int]:
-    """One token per row of ``logits`` (``[S, V]``)."""
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    states: list[SamplerState],
+    failures: dict[int, str] | None = None,
+) -> list[int]:
+    """One token per row of ``logits`` (``[S, V]``). With ``failures``, a row whose sampling fails
+    gets -1 and its reason there (that request fails; the other rows are sampled as usual);
+    without, the failure is raised."""
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = probabilities(logits[i], p)
-        out[i] = int(torch.multinomial(probs, 1, generator=states[i].generator).item())
+        try:
+            probs = probabilities(logits[i], p)
+            out[i] = int(torch.multinomial(probs, 1, generator=states[i].generator).item())
+        except RuntimeError as exc:  # torch's error for a distribution it cannot sample
+            if failures is None:
+                raise
+            out[i], failures[i] = -1, f"sampling failed: {exc}"
     return out

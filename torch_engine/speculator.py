@@ -32,6 +32,7 @@ class Picked:
 
     tokens: list[int]
     logprobs: list[TokenLogprobs]
+    error: str | None = None  # this request's sampling failed (it fails; the step goes on)
 
 
 class Speculator:
@@ -84,7 +85,10 @@ class Speculator:
             n = verify_greedy(target, draft)
             tokens = target[: n + 1]
         else:
-            n, nxt = rejection_sample(probabilities(logits, p), draft, req.sampler.generator)
+            try:
+                n, nxt = rejection_sample(probabilities(logits, p), draft, req.sampler.generator)
+            except RuntimeError as exc:  # torch's error for a distribution it cannot sample
+                return Picked([], [], f"sampling failed: {exc}")
             tokens = [*draft[:n], nxt]
         req.spec.add(len(draft), n)
         req.spec.backoff(n)
