@@ -3,8 +3,8 @@
 No accepted value can make the sampler produce NaN or inf (a request that did took its decode node
 down): every float must be finite; a temperature below ``MIN_TEMPERATURE`` samples greedily (as
 vLLM does with its sampling epsilon; the distribution is a point mass at that scale anyway);
-penalised logits are clamped to the finite fp32 range; sampling divides by the temperature and
-normalises in float64, clamped, so no ratio overflows to inf and no softmax sees inf - inf.
+penalised logits, and logits divided by the temperature, are clamped to the finite fp32 range, so
+no softmax sees inf - inf (the largest logit minus itself is 0; the others underflow to 0).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 MIN_TEMPERATURE = 1e-5  # below it a request samples greedily
 _FP32_MAX = torch.finfo(torch.float32).max
-_F64_LIMIT = 1e300  # logits / temperature are clamped to +-this before the float64 softmax
 
 
 class InvalidRequestError(ValueError):
@@ -146,7 +145,7 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: ``logits`` (``[..., V]``) / temperature,
     then top-k, then top-p (the smallest prefix reaching ``top_p``), softmax."""
-    rows = (logits.double().cpu() / p.temperature).clamp(-_F64_LIMIT, _F64_LIMIT)
+    rows = (logits.float().cpu() / p.temperature).clamp(-_FP32_MAX, _FP32_MAX)  # inf -> the largest finite
     if p.top_k and p.top_k < rows.shape[-1]:
         kth = torch.topk(rows, p.top_k, dim=-1).values[..., -1:]
         rows = rows.masked_fill(rows < kth, float("-inf"))
@@ -155,7 +154,7 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         soft = sorted_logits.softmax(-1)
         drop = soft.cumsum(-1) - soft >= p.top_p  # keep the smallest prefix reaching top_p
         rows = rows.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return rows.softmax(-1).float()
+    return rows.softmax(-1)
 
 
 def sample(
