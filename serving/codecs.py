@@ -229,10 +229,6 @@ def encode_prefill(req: PrefillRequest) -> Arrays:
     return encode(PREFILL, {T.PREFILL_REQUEST: req.model_dump_json()})
 
 
-def encode_handshake(endpoints: list[RankEndpoint]) -> Arrays:
-    return encode(PREFILL, {T.HANDSHAKE: "[" + ",".join(e.model_dump_json() for e in endpoints) + "]"})
-
-
 def parse_prefill_call(get: Getter) -> PrefillRequest | list[RankEndpoint]:
     """A prefill request, or a handshake's decode endpoints (``ValueError`` / pydantic's on bad JSON)."""
     r = Reader(get, PREFILL.inputs)
@@ -253,7 +249,3 @@ def parse_load(get: Getter) -> int:
 
 def encode_endpoint(endpoint: RankEndpoint) -> Arrays:
     return encode(PREFILL, {T.ENDPOINT: endpoint.model_dump_json()}, outputs=True)
-
-
-def parse_endpoint(get: Getter) -> RankEndpoint:
-    return RankEndpoint.model_validate_json(Reader(get, PREFILL.outputs).text(T.ENDPOINT) or "")
