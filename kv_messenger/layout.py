@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from torch_engine.config import DType, KVLayout
 
-PROTOCOL_VERSION = 2  # 2: REFUSED notifications, PrefillRequest.ttl_s
+PROTOCOL_VERSION = 3  # 2: REFUSED notifications, PrefillRequest.ttl_s; 3: PrefillRequest.first_page
 
 
 class IncompatibleLayoutError(ValueError):

@@ -23,9 +23,12 @@ per-layer counter and posts the writes of every layer finished since its last pa
 coalesced into one range). With ``stream_layers=False`` (the benchmark's baseline) nothing goes
 out until the engine reports the prefill done (``prefill_done``). Pages are sent whole and
 once: a page shared by two chunks is sent after the chunk that fills it (or the last chunk).
-After the last chunk the leader writes the metadata (the last position's hidden state, fp32)
-into the decoder's slot. When every write completed, FIN goes to each decode rank this rank wrote to,
-and the request appears in ``completed()`` so the caller can free its source pages.
+Pages the decoder's prefix cache already holds are never sent: page ``i`` of a job is the prompt's
+page ``first_page + i`` here (``PrefillRequest.first_page``); pages this node's own prefix cache
+supplied go out with the first forward pass that runs. After the last chunk the leader writes the
+metadata (the last position's hidden state, fp32) into the decoder's slot. When every write
+completed, FIN goes to each decode rank this rank wrote to, and the request appears in
+``completed()`` so the caller can free its source pages.
 
 Long because: one state machine (the transitions above) and the messenger thread that drives it
 read best in one place; which bytes go where is ``shard_plan``'s, how they move the transport's.
@@ -219,14 +222,14 @@ class PrefillSide:
             job = self._jobs.get(request_id)
             if job is None or job.state is not PrefillJobState.STREAMING:
                 return  # over already (aborted by the decoder, or never accepted on this rank)
-            p, n = self.layout.page_size, job.n_pages
-            needed = min(-(-tokens_done // p), n)
+            p, n, first = self.layout.page_size, job.n_pages, job.req.first_page
+            needed = min(-(-tokens_done // p), first + n)
             if len(src_pages) < needed:
                 raise ValueError(
                     f"request {request_id}: {tokens_done} tokens need {needed} source pages, got {len(src_pages)}"
                 )
-            job.src_pages = list(src_pages[:n])
-            full = min(tokens_done // p, n)
+            job.src_pages = list(src_pages[first : first + n])  # the decoder holds the first ``first`` pages
+            full = max(min(tokens_done // p, first + n) - first, 0)
             upto = n if last else full
             if upto > job.queued_pages:
                 job.pending.append(_Batch(forward, list(range(job.queued_pages, upto))))

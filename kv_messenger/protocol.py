@@ -67,7 +67,8 @@ class PrefillRequest(_Msg):
     request_id: str
     epoch: int = Field(ge=0)
     prompt_ids: list[int]
-    dst_pages: list[int]  # the decode side's pages for tokens [0, n-1), in token order
+    dst_pages: list[int]  # the decode side's pages for tokens [first_page * page_size, n-1), in token order
+    first_page: int = Field(default=0, ge=0)  # pages of the prompt's start the decoder holds (its prefix cache)
     decode_ranks: list[str]  # agent names of the decode group's ranks, by rank
     seed: int = 0  # picks source replicas in the shard plan; both sides compute the same plan
     meta_slot: int | None = None  # decode leader's metadata slot, or None for no metadata

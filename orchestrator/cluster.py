@@ -23,7 +23,7 @@ from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
 from planner.placement import PlacementSpec
 from serving.node_config import RequestLimits, RequestTimeouts, group_name
-from torch_engine.config import DType, KVLayout, Role, SchedulerConfig, SpeculativeConfig
+from torch_engine.config import DType, KVLayout, PrefixCacheConfig, Role, SchedulerConfig, SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -138,6 +138,7 @@ class ClusterConfig(_Frozen):
     kv_layout: KVLayout = KVLayout.HND
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()  # decode / colocated groups (prefill nodes never sample)
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # every group: reuse full KV pages of repeated prefixes
     limits: RequestLimits = RequestLimits()
     timeouts: TimeoutSpec = TimeoutSpec()
     transport: TransportSpec = TransportSpec()

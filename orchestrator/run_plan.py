@@ -289,6 +289,7 @@ class Renderer:
             "engine_dir": self.dirs[slot.role],
             "dtype": cfg.run_dtype,
             "scheduler": cfg.scheduler,
+            "prefix_cache": cfg.prefix_cache,
             "num_threads": cfg.threads_per_rank,
             "device": slot.device.value,  # cuda: the rank sees its one GPU (CUDA_VISIBLE_DEVICES) as cuda:0
         }

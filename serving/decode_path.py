@@ -116,12 +116,13 @@ class KVFetcher:
             case Refused() | Accepted():  # no room now, or behind requests waiting for pages
                 self._queued.append(_Queued(request_id, prompt_ids, params))
 
-    def _place(self, request_id: str, load: EngineLoad, prompt_tokens: int) -> Placement:
-        if self._local(request_id, prompt_tokens, load):
+    def _place(self, request_id: str, load: EngineLoad, uncached: int) -> Placement:
+        """``uncached``: prompt tokens past what this decoder's prefix cache holds (what either side computes)."""
+        if self._local(request_id, uncached, load):
             return Placement.LOCAL
         self.remote_prefills += 1
         if self.tracer is not None:
-            self.tracer.mark(request_id, "arrived", prompt_tokens=prompt_tokens)
+            self.tracer.mark(request_id, "arrived", uncached_tokens=uncached)
         return Placement.HOLD if self._queued else Placement.REMOTE
 
     def _local(self, request_id: str, prompt_tokens: int, load: EngineLoad) -> bool:

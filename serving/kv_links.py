@@ -175,6 +175,7 @@ class _Destination:
     fenced_slots: dict[int, int] = field(default_factory=dict)  # abandoned epoch -> its metadata slot
     retry: list[str] = field(default_factory=list)  # FENCE_WAIT: the senders of the next epoch
     seed: int = 0
+    first_page: int = 0  # the decoder's cached prefix: nobody writes those pages
 
 
 class DecodeLink:
@@ -220,7 +221,9 @@ class DecodeLink:
         is undone."""
         rid = reserved.request_id
         slot = self._slots.pop() if meta and self._slots else None
-        self._jobs[rid] = _Destination(list(reserved.pages), list(prompt_ids), slot=slot, seed=seed)
+        self._jobs[rid] = _Destination(
+            list(reserved.pages), list(prompt_ids), slot=slot, seed=seed, first_page=reserved.first_page
+        )
         try:
             return self._expect(rid, prefill_agents or self.prefill_agents)
         except ValueError:
@@ -278,6 +281,7 @@ class DecodeLink:
             epoch=job.epoch,
             prompt_ids=job.prompt_ids,
             dst_pages=job.pages,
+            first_page=job.first_page,
             decode_ranks=self.decode_agents,
             seed=job.seed,
             meta_slot=job.slot,

@@ -25,8 +25,9 @@ from torch_engine.connector import (
     StepObserver,
     TickHook,
 )
-from torch_engine.kv_cache import KVCacheSpec, PageAllocator
+from torch_engine.kv_cache import KVCacheSpec
 from torch_engine.layer_progress import LayerProgress
+from torch_engine.pages import PageAllocator
 from torch_engine.parallel import TPGroup
 from torch_engine.request import Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import SamplerState, SamplingParams

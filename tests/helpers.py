@@ -19,7 +19,15 @@ from kv_messenger.protocol import PrefillRequest
 from orchestrator.triton import TritonServer
 from planner.profile import DecodeGrid, HardwareProfile, ProfileSource
 from serving.kv_links import DecodeLink
-from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig, SpecMethod, SpeculativeConfig
+from torch_engine.config import (
+    DType,
+    EngineConfig,
+    KVLayout,
+    PrefixCacheConfig,
+    SchedulerConfig,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from torch_engine.connector import Placement, RefusalReason, Refused, Reserved
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
@@ -211,7 +219,13 @@ def tiny_engine(
     max_num_seqs: int = 32,
     tp: TPGroup | None = None,
     speculative: SpeculativeConfig | None = None,
+    prefix_cache: bool | int = True,
 ) -> LLMEngine:
+    """``prefix_cache``: on, off, or on with at most that many unheld cached pages."""
+    cache = PrefixCacheConfig(
+        enabled=prefix_cache is not False,
+        max_cached_pages=None if isinstance(prefix_cache, bool) else prefix_cache,
+    )
     cfg = engine_config(
         engine_dir,
         page_size=page_size,
@@ -220,6 +234,7 @@ def tiny_engine(
         scheduler=SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         dtype=DType.FLOAT32,
         speculative=speculative or SpeculativeConfig(),
+        prefix_cache=cache,
     )
     return LLMEngine(cfg, tp=tp, load_tokenizer=False)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_engine.kv_cache import OutOfPagesError, PageAllocator
+from torch_engine.pages import OutOfPagesError, PageAllocator
 
 
 def test_allocate_free_accounting() -> None:

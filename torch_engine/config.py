@@ -241,6 +241,17 @@ class SpeculativeConfig(_Frozen):
         return self
 
 
+class PrefixCacheConfig(_Frozen):
+    """Automatic prefix caching (``torch_engine/prefix_cache.py``; the cluster config's ``prefix_cache``)."""
+
+    enabled: bool = Field(default=True, description="full KV pages are content-addressed and reused across requests")
+    max_cached_pages: int | None = Field(
+        default=None,
+        ge=0,
+        description="most pages that nobody holds kept for their cached prefix (None: every free page may keep one)",
+    )
+
+
 class EngineConfig(_Frozen):
     """Runtime settings of one engine instance (one TP rank)."""
 
@@ -252,6 +263,7 @@ class EngineConfig(_Frozen):
     num_pages: int = Field(default=512, ge=1)
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     max_model_len: int | None = Field(default=None, ge=2)  # None: the model's max positions
     num_threads: int | None = Field(default=None, ge=1)
     # decode-only steps through static buffers, replayed as CUDA graphs on a GPU. None: on for CUDA

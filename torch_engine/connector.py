@@ -10,9 +10,12 @@ Call order, per request (who calls what):
 
 1. **admit** (connector -> engine).
    Decode side: ``admit_for_kv(prompt, params, request_id, place)`` validates the prompt once,
-   reads the engine's load, asks ``place(load, prompt_tokens)`` where it is prefilled, and
-   returns what it did as data: ``Reserved`` (pages for ``prompt[:-1]`` reserved *and pinned*:
-   held until no write can land, whatever happens to the request), ``Accepted`` (``LOCAL``: the
+   matches it against the engine's own prefix cache (decode-first reuse), reads the engine's
+   load, asks ``place(load, uncached_tokens)`` where the rest is prefilled (a full hit is
+   ``LOCAL`` without asking: no KV moves), and returns what it did as data: ``Reserved`` (the
+   cached prefix's ``first_page`` pages shared; pages for the rest of ``prompt[:-1]`` reserved
+   *and pinned*: held until no write can land, whatever happens to the request; the prefill node
+   writes only those), ``Accepted`` (``LOCAL``: the
    engine prefills it itself, as colocated; ``HOLD``: validated, nothing taken) or ``Refused``
    (``INVALID``: never fits; ``NO_ROOM``: too few free pages now).
    Prefill side: ``add_request(prompt, request_id=..., kind=PREFILL_ONLY, want_last_hidden=...)``.
@@ -136,8 +139,9 @@ class Reserved:
     """``REMOTE``: pages for the KV of ``prompt[:-1]`` are reserved and pinned for ``request_id``."""
 
     request_id: str
-    pages: list[int]
+    pages: list[int]  # for the tokens past the decoder's cached prefix, in token order
     load: EngineLoad  # before this reservation
+    first_page: int = 0  # pages of the prompt's start that the decoder's prefix cache already holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +162,7 @@ class Refused:
 
 
 Admission = Reserved | Accepted | Refused
-PlaceFn = Callable[[EngineLoad, int], Placement]  # (load, prompt tokens) -> where to prefill
+PlaceFn = Callable[[EngineLoad, int], Placement]  # (load, prompt tokens not in the decoder's cache) -> where
 
 
 class ConnectorPort(Protocol):

@@ -34,13 +34,15 @@ from torch_engine.connector import (
 from torch_engine.decode_graphs import DecodeGraphs
 from torch_engine.intake import Intake
 from torch_engine.kernels import cpu_kernels
-from torch_engine.kv_cache import PageAllocator, PagedKVCache, PageStats
+from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.loader import EngineDescription, kernel_path, load_weights, prepare_cpu_path, run_dtype, weight_bytes
 from torch_engine.model_runner import ModelRunner
 from torch_engine.models import cache_spec
 from torch_engine.outputs import Outputs, pick
+from torch_engine.pages import PageAllocator, PageStats
 from torch_engine.parallel import TPGroup
+from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats, PrefixCache
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.scheduler import Scheduler
@@ -87,12 +89,17 @@ class LLMEngine:
                 f"speculative method {SpecMethod.MTP.value} needs a checkpoint with an MTP module "
                 f"(num_nextn_predict_layers); the engine in {config.engine_dir} has none"
             )
-        self._allocator = PageAllocator(config.num_pages)
+        pc = config.prefix_cache
+        self._allocator = PageAllocator(config.num_pages, pc.max_cached_pages)
+        self._identity = f"{manifest.fingerprint}/{self._dtype}/{layout.value}"
+        needs_mtp = self._spec.reads_mtp_kv if self._model.mtp is not None else None
+        self._cache = PrefixCache(self._allocator, self._page_size, self._identity, needs_mtp) if pc.enabled else None
         s = config.scheduler
         propose = self._spec.propose if self._spec.drafts else None
         self._scheduler = Scheduler(
-            self._allocator, self._page_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_prefill_chunk, propose
-        )
+            self._allocator, self._page_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_prefill_chunk, propose,
+            self._cache,
+        )  # fmt: skip
         self._runner = ModelRunner(self._model, self._kv, self._progress, self._tp, self._device, self._max_model_len)
         if graphs:
             self._runner.use_decode_graphs(config.num_pages, s.max_num_seqs)
@@ -147,7 +154,9 @@ class LLMEngine:
             req = self._new_request(prompt_ids, params, request_id, RequestKind.DECODE_FROM_KV, False)
         except InvalidRequestError as exc:
             return Refused(request_id, RefusalReason.INVALID, str(exc), load)
-        where = place(load, len(req.prompt_ids)) if len(req.prompt_ids) > 1 else Placement.LOCAL
+        hit = self._cache.match(req) if self._cache is not None else []  # the decoder's own cache first
+        uncached = len(req.prompt_ids) - len(hit) * self._page_size
+        where = place(load, uncached) if uncached > 1 else Placement.LOCAL  # a full hit moves no KV
         if where is Placement.HOLD:
             return Accepted(request_id, where, load)
         if where is Placement.LOCAL:
@@ -157,13 +166,14 @@ class LLMEngine:
             self._outputs.watch(req)
             return Accepted(request_id, where, load)
         n = len(req.prompt_ids) - 1
-        if not self._scheduler.can_reserve(n):
+        if not self._scheduler.can_reserve(n, hit):
             return Refused(request_id, RefusalReason.NO_ROOM, f"not enough free KV pages for {n} tokens now", load)
         self._requests[request_id] = req
         self._outputs.watch(req)
-        self._scheduler.reserve(req, n)
-        self._allocator.pin(req.pages)  # the connector's hold: until no write can land (``unpin_pages``)
-        return Reserved(request_id, list(req.pages), load)
+        self._scheduler.reserve(req, n, hit)
+        fresh = req.pages[len(hit) :]
+        self._allocator.pin(fresh)  # the connector's hold: until no write can land (``unpin_pages``)
+        return Reserved(request_id, fresh, load, len(hit))
 
     def replace_kv_pages(self, request_id: str) -> list[int]:
         """A reserved request's KV will come from another sender into fresh pages: allocate and pin
@@ -172,10 +182,11 @@ class LLMEngine:
         req = self._get(request_id)
         if req.state is not RequestState.WAITING_FOR_KV:
             raise ValueError(f"request {request_id} is not waiting for KV (state {req.state.name})")
-        if not self._scheduler.can_reserve(len(req.prompt_ids) - 1):
+        cached = req.pages[: req.cache_registered]  # the decoder's own prefix stays: nobody writes it
+        if not self._scheduler.can_reserve(len(req.prompt_ids) - 1, cached):
             raise InvalidRequestError(f"not enough free KV pages to move request {request_id} to fresh pages")
         self._scheduler.replace_reserved(req)
-        return list(req.pages)
+        return req.pages[len(cached) :]
 
     def kv_ready(self, request_id: str, last_hidden: torch.Tensor | None = None) -> None:
         """All KV of a reserved request has landed: it joins the batch and runs its last prompt token.
@@ -266,28 +277,34 @@ class LLMEngine:
             kernel_path=path,
             weight_bytes=weight_bytes(self._model),
             kv_bytes_per_token=sum(p[0].numel() * p.element_size() for p in self._kv.pools) // spec.page_size,
+            cache_identity=self._identity,
         )
 
     @property
     def kernel_path(self) -> str:
         return self.describe().kernel_path
 
+    def cache_stats(self) -> CacheStats:
+        """The prefix cache's size and hit counts (zeros when it is off)."""
+        return self._cache.stats() if self._cache is not None else NO_CACHE
+
+    def cache_events(self, since: int) -> CacheEvents:
+        """Prefix-cache events after ``since``, or a snapshot (``PrefixCache.events_since``)."""
+        return self._cache.events_since(since) if self._cache is not None else CacheEvents(0)
+
+    def clear_prefix_cache(self) -> int:
+        return self._cache.clear() if self._cache is not None else 0  # unheld cached pages evicted
+
     def decode_graphs_stats(self) -> DecodeGraphs | None:
         """The decode-graph buckets (``replays``, ``captured``), or None when this engine runs eagerly."""
         return self._runner.graphs
 
-    def queue_depths(self) -> tuple[int, int]:
-        """(waiting, running) requests."""
+    def queue_depths(self) -> tuple[int, int]:  # (waiting, running) requests
         return len(self._scheduler.waiting), len(self._scheduler.running)
 
     def load(self) -> EngineLoad:
         """What the engine has on its hands now (a decode node's placement rule reads it)."""
-        s = self._scheduler
-        prefilling = [r for r in (*s.waiting, *s.running) if not r.output_ids]
-        pending = sum(r.compute_target - r.num_computed for r in prefilling)
-        decoding = [r for r in s.running if r.output_ids]
-        context = sum(r.num_tokens for r in decoding) / len(decoding) if decoding else 0.0
-        return EngineLoad(len(decoding), context, pending, self._config.scheduler.max_num_batched_tokens)
+        return EngineLoad(*self._scheduler.load(), self._config.scheduler.max_num_batched_tokens)
 
     # -- the connector port (torch_engine/connector.py) ----------------------------------
     def attach(self, observer: StepObserver) -> None:

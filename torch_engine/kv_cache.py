@@ -1,4 +1,4 @@
-"""Paged KV cache: one pool tensor per layer, and the page allocator that hands pages out.
+"""Paged KV cache: one pool tensor per layer, its shapes, its reads and writes.
 
 Page shapes (``P`` tokens per page, ``H`` local KV heads, ``D`` head dim, ``L`` MLA latent dim):
 
@@ -8,101 +8,17 @@ Page shapes (``P`` tokens per page, ``H`` local KV heads, ``D`` head dim, ``L`` 
 - MLA: ``[P, L]`` — the compressed latent and the rotated rope key of each token (the same
   on every TP rank), for either layout.
 
-The allocator counts free / used / pinned pages. A pinned page is the target of a transfer:
-it cannot be handed to another request; freeing it is deferred until its last unpin.
+Who holds which page: ``pages.PageAllocator``.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from torch_engine.config import KVLayout
-
-
-class OutOfPagesError(RuntimeError):
-    """Raised by ``allocate`` when the pool cannot satisfy a request (call ``can_allocate`` first)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PageStats:
-    total: int
-    free: int
-    used: int
-    pinned: int
-
-
-class PageAllocator:
-    """Free-list page allocator with pin counts and deferred free of pinned pages."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._in_use = [False] * num_pages
-        self._pins = [0] * num_pages
-        self._free_pending = [False] * num_pages
-
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if not self.can_allocate(n):
-            raise OutOfPagesError(f"need {n} pages, {len(self._free)} of {self.num_pages} are free")
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._in_use[p] = True
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        """Return pages; a pinned page goes back only when its last pin is released."""
-        for p in pages:
-            self._check_used(p, "free")
-            if self._free_pending[p]:
-                raise ValueError(f"page {p} is already being freed")
-            if self._pins[p]:
-                self._free_pending[p] = True
-            else:
-                self._release(p)
-
-    def pin(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check_used(p, "pin")
-            if self._free_pending[p]:
-                raise ValueError(f"page {p} was freed and cannot be pinned again")
-            self._pins[p] += 1
-
-    def unpin(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check_used(p, "unpin")
-            if self._pins[p] == 0:
-                raise ValueError(f"page {p} is not pinned")
-            self._pins[p] -= 1
-            if self._pins[p] == 0 and self._free_pending[p]:
-                self._release(p)
-
-    def is_pinned(self, page: int) -> bool:
-        return self._pins[page] > 0
-
-    def stats(self) -> PageStats:
-        free = len(self._free)
-        pinned = sum(1 for c in self._pins if c)
-        return PageStats(total=self.num_pages, free=free, used=self.num_pages - free, pinned=pinned)
-
-    def _check_used(self, p: int, what: str) -> None:
-        if not 0 <= p < self.num_pages:
-            raise ValueError(f"cannot {what} page {p}: the pool has pages 0..{self.num_pages - 1}")
-        if not self._in_use[p]:
-            raise ValueError(f"cannot {what} page {p}: it is not allocated")
-
-    def _release(self, p: int) -> None:
-        self._in_use[p] = False
-        self._free_pending[p] = False
-        self._free.append(p)
 
 
 @dataclass(frozen=True, slots=True)

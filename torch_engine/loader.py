@@ -32,6 +32,7 @@ class EngineDescription:
     kernel_path: str  # device / dtype / weight preparation / attention kernel / SIMD
     weight_bytes: int  # this rank's parameters (tied embeddings once)
     kv_bytes_per_token: int  # every layer's KV of one token on this rank
+    cache_identity: str = ""  # the root of the prefix cache's page keys (model fingerprint, dtype, layout)
 
 
 def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.device) -> torch.dtype:

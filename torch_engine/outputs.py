@@ -92,14 +92,22 @@ class Outputs:
             if c.draft:
                 p = picks[id(c)]
                 req.num_computed += len(p.tokens)  # its next token and the accepted drafts now have KV
+                self._scheduler.computed(req)
                 outputs.append(self._append_tokens(req, p.tokens, p.logprobs))
                 self._scheduler.trim(req)  # pages past the rejected positions go back
                 continue
             req.num_computed += c.length
+            self._scheduler.computed(req)
             if req.kind is RequestKind.PREFILL_ONLY and c.completes:
                 self._scheduler.mark_prefilled(req)
                 outputs.append(
-                    RequestOutput(request_id=req.request_id, finished=True, finish_reason=FinishReason.PREFILLED)
+                    RequestOutput(
+                        request_id=req.request_id,
+                        finished=True,
+                        finish_reason=FinishReason.PREFILLED,
+                        prompt_tokens=len(req.prompt_ids),
+                        cached_tokens=req.cached_tokens or 0,
+                    )
                 )
             elif c.samples:
                 p = picks[id(c)]
@@ -122,6 +130,7 @@ class Outputs:
             finish_reason=last.finish_reason,
             text="".join(o.text for o in outs),
             prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens or 0,
             logprobs=tuple(lp for o in outs for lp in o.logprobs),
             drafts=(req.spec.proposed, req.spec.accepted),
         )
@@ -129,7 +138,7 @@ class Outputs:
     def _failure(self, req: Request, error: str) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error,
-            output_ids=list(req.output_ids), prompt_tokens=len(req.prompt_ids),
+            output_ids=list(req.output_ids), prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens or 0,
         )  # fmt: skip
 
     def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -167,6 +176,7 @@ class Outputs:
             finish_reason=reason,
             text=delta,
             prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens or 0,
             logprobs=(logprobs,) if logprobs is not None else (),
             drafts=(req.spec.proposed, req.spec.accepted),
         )

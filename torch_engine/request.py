@@ -71,6 +71,11 @@ class Request:
     mtp_draft: int | None = None  # the MTP module's draft for position ``mtp_draft_at``
     mtp_draft_at: int = -1
     prefill_hidden: torch.Tensor | None = None  # split request: the prefill's last hidden state (MTP's first draft)
+    # prefix cache (``prefix_cache.py``)
+    cached_tokens: int | None = None  # prompt tokens whose KV was reused, at first admission (None: not yet)
+    cache_keys: list[bytes] = field(default_factory=list)  # content keys of its first pages
+    cache_registered: int = 0  # its first pages that are cached (filed by it, or hits)
+    mtp_kv_gap: bool = False  # the MTP draft pass skipped some of its positions
 
     @property
     def all_tokens(self) -> list[int]:
@@ -104,6 +109,7 @@ class RequestOutput:
     error: str | None = None
     text: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of ``prompt_tokens``, reused from the prefix cache (no KV computed or moved)
     text_window: tuple[int, ...] = ()  # tokens whose decoding, past ``text_skip`` of them, is ``text``
     text_skip: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``new_token_ids``, when the request asked for them

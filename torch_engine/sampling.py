@@ -42,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence of each token already generated (OpenAI)
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the top k alternatives
     speculate: bool | None = None  # None: the engine's default (``SpeculativeConfig.default``)
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share KV pages
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -64,6 +65,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -78,6 +85,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT = 256
 
 
 @dataclass(frozen=True, slots=True)

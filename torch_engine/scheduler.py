@@ -7,9 +7,11 @@ Queues:
     prefilled dict   PREFILLED: prefill-only requests whose pages await ``release``
 
 Each step: running decodes first (one token each), then running prefills, then new admissions,
-until the token budget or ``max_num_seqs`` is used. Pages are allocated per chunk; when they run
-out, the newest running request without pinned pages is preempted (pages freed, recomputed later).
-A request that cannot get pages waits; nothing crashes.
+until the token budget or ``max_num_seqs`` is used. A request admitted from ``waiting`` first takes
+the longest cached prefix of its tokens (``prefix_cache.py``: shared pages, never written) and
+computes from there. Pages are allocated per chunk; when they run out, the newest running request
+without pinned pages is preempted (its pages freed, cached ones kept while the pool allows; it is
+recomputed later, from its cached prefix). A request that cannot get pages waits; nothing crashes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch_engine.kv_cache import PageAllocator
+from torch_engine.pages import PageAllocator
+from torch_engine.prefix_cache import PrefixCache
 from torch_engine.request import FinishReason, Request, RequestKind, RequestState
 
 # speculative decoding: (request, room, running requests) -> up to ``room`` draft tokens for a
@@ -61,6 +64,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_prefill_chunk: int,
         propose: Propose | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.allocator = allocator
         self.page_size = page_size
@@ -68,6 +72,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.max_chunk = max_prefill_chunk
         self.propose = propose
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv_wait: dict[str, Request] = {}
@@ -82,23 +87,41 @@ class Scheduler:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        return self.allocator.can_allocate(self.pages_for(num_tokens))
+    def can_reserve(self, num_tokens: int, hit: list[int]) -> bool:
+        """Pages for ``num_tokens`` of KV can be reserved, ``hit`` (cached pages of the first tokens) shared."""
+        return self.allocator.can_allocate(self.pages_for(num_tokens) - len(hit) + self.allocator.revivals(hit))
 
-    def reserve(self, req: Request, num_tokens: int) -> None:
-        """Allocate and pin the pages a remote prefill will write (``num_tokens`` of KV)."""
-        req.pages = self.allocator.allocate(self.pages_for(num_tokens))
+    def reserve(self, req: Request, num_tokens: int, hit: list[int]) -> None:
+        """Share ``hit`` and allocate the rest of the pages for ``num_tokens`` of KV, which a remote
+        prefill writes (past the hit); all pinned while the request waits for its KV."""
+        self.allocator.share(hit)
+        req.pages = hit + self.allocator.allocate(self.pages_for(num_tokens) - len(hit))
+        req.cache_registered = len(hit)
+        req.cached_tokens = len(hit) * self.page_size
+        if self.cache is not None:
+            self.cache.count(req, len(hit))
         self.allocator.pin(req.pages)
         req.state = RequestState.WAITING_FOR_KV
         self.kv_wait[req.request_id] = req
 
     def replace_reserved(self, req: Request) -> None:
-        """New pages for a reserved request (the old ones are freed: deferred while a transport pins them)."""
-        old, n = req.pages, len(req.prompt_ids) - 1
-        req.pages = self.allocator.allocate(self.pages_for(n))
-        self.allocator.pin(req.pages)
+        """New pages past the request's cached prefix (the old ones are freed: deferred while a
+        transport pins them)."""
+        h, n = req.cache_registered, len(req.prompt_ids) - 1
+        old = req.pages[h:]
+        fresh = self.allocator.allocate(self.pages_for(n) - h)
+        self.allocator.pin(fresh)
+        req.pages = req.pages[:h] + fresh
         self.allocator.unpin(old)
         self.allocator.free(old)
+
+    def load(self) -> tuple[int, float, int]:
+        """What is on hand: decoding requests, their mean context, prompt tokens still to prefill."""
+        prefilling = [r for r in (*self.waiting, *self.running) if not r.output_ids]
+        pending = sum(r.compute_target - r.num_computed for r in prefilling)
+        decoding = [r for r in self.running if r.output_ids]
+        context = sum(r.num_tokens for r in decoding) / len(decoding) if decoding else 0.0
+        return len(decoding), context, pending
 
     def kv_ready(self, req: Request) -> None:
         del self.kv_wait[req.request_id]
@@ -106,6 +129,12 @@ class Scheduler:
         req.num_computed = len(req.prompt_ids) - 1
         req.state = RequestState.RUNNING
         self.running.append(req)
+        self.computed(req)
+
+    def computed(self, req: Request) -> None:
+        """``req``'s ``num_computed`` moved: pages whose KV is now complete join the prefix cache."""
+        if self.cache is not None:
+            self.cache.register(req)
 
     def mark_prefilled(self, req: Request) -> None:
         self.running.remove(req)
@@ -147,14 +176,23 @@ class Scheduler:
             budget -= n + len(draft)
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.compute_target - req.num_computed, budget, self.max_chunk)
-            if not self.allocator.can_allocate(self.pages_for(n)):
+            hit = self.cache.match(req) if self.cache is not None else []
+            start = len(hit) * self.page_size
+            n = min(req.compute_target - start, budget, self.max_chunk)
+            need = self.pages_for(start + n) - len(hit)
+            if not self.allocator.can_allocate(need + self.allocator.revivals(hit)):
                 break  # admission control: wait for pages
             self.waiting.popleft()
-            req.pages = self.allocator.allocate(self.pages_for(n))
+            self.allocator.share(hit)  # before allocating: a hit page is never the one evicted
+            req.pages = hit + self.allocator.allocate(need)
+            req.num_computed, req.cache_registered = start, len(hit)
+            if req.cached_tokens is None:
+                req.cached_tokens = start
+                if self.cache is not None:
+                    self.cache.count(req, len(hit))
             req.state = RequestState.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, req.num_computed, n))
+            chunks.append(ScheduledChunk(req, start, n))
             budget -= n
         self.steps += 1
         return SchedulerOutput(self.steps, chunks)
@@ -211,7 +249,7 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.free(req.pages)
         req.pages = []
-        req.num_computed = 0
+        req.num_computed = req.cache_registered = 0
         req.state = RequestState.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

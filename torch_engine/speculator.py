@@ -58,6 +58,11 @@ class Speculator:
         gave_up = spec.give_up_after is not None and req.spec.misses >= spec.give_up_after
         return not p.penalized and not gave_up and (spec.default if p.speculate is None else p.speculate)
 
+    def reads_mtp_kv(self, req: Request) -> bool:
+        """The request's pages need the MTP layer's KV (a model with an MTP module): it drafts with it,
+        or it is prefill-only (its decoder may draft from it)."""
+        return req.kind is RequestKind.PREFILL_ONLY or (self.mtp and self.may_draft(req))
+
     def propose(self, req: Request, room: int, running: int) -> list[int]:
         """Draft tokens for ``req`` (the scheduler's ``propose``; ``running``: requests in the batch):
         none for requests that do not speculate; never past ``max_tokens`` or the context."""
@@ -136,6 +141,7 @@ class Speculator:
             speculates = self.mtp and self.may_draft(req)
             if not (speculates or req.kind is RequestKind.PREFILL_ONLY):
                 row += c.length  # its MTP KV is never read: no drafts from it here, no decoder to send it to
+                req.mtp_kv_gap = True  # its pages lack MTP KV: cached for requests that never read it
                 continue
             emitted = picked.tokens if picked is not None else []
             known = req.all_tokens + emitted

@@ -1,0 +1,111 @@
+"""Decode-first prefix reuse across the split (in-process prefill groups, the real messenger on the
+in-memory transport): the decoder matches its own cache first and asks the prefill node only for the
+pages it lacks; the prefill node computes only what its own cache lacks. Tokens equal the colocated
+cache-off engine's; KV bytes follow the uncached pages; nothing is left held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kv_messenger.prefill_side import PrefillOutcome
+from tests.helpers import prompt_of, tiny_engine
+from tests.split_harness import GREEDY, Cluster, cluster, wait_for
+from torch_engine.engine import LLMEngine
+from torch_engine.request import RequestOutput
+
+Dirs = Callable[..., Path]
+
+
+def sent_bytes(c: Cluster) -> dict[str, int]:
+    """Request id -> KV bytes its prefill node wrote (filled as transfers finish)."""
+    sent: dict[str, int] = {}
+
+    def done(outcome: PrefillOutcome, _seconds: float) -> None:
+        sent[outcome.request_id] = outcome.bytes_posted
+
+    for p in c.prefills:
+        p.on_done = done
+    return sent
+
+
+def chat(run: Callable[[str, list[int]], RequestOutput], system: list[int], turns: int) -> list[RequestOutput]:
+    history, outs = list(system), []
+    for t in range(turns):
+        history += prompt_of(6, 100 + t)
+        out = run(f"turn{t}", history)
+        outs.append(out)
+        history += out.output_ids
+    return outs
+
+
+def colocated(engine: LLMEngine) -> Callable[[str, list[int]], RequestOutput]:
+    def run(_rid: str, prompt: list[int]) -> RequestOutput:
+        rid = engine.add_request(prompt, GREEDY)
+        last = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                last = out
+        engine.retire(rid)
+        assert last is not None
+        return last
+
+    return run
+
+
+def test_multi_turn_moves_only_what_the_decoder_lacks(tiny_engine_dir: Dirs) -> None:
+    system = prompt_of(301, 5)
+    c = cluster(tiny_engine_dir, groups=1)
+    sent = sent_bytes(c)
+    try:
+        got = chat(lambda rid, p: c.run({rid: p})[rid], system, 4)
+        wait_for(c.settled, what="every page back")
+        want = chat(colocated(tiny_engine(tiny_engine_dir("llama"), prefix_cache=False)), system, 4)
+        assert [o.output_ids for o in got] == [o.output_ids for o in want]
+        page_bytes = sent["turn0"] // (-(-(got[0].prompt_tokens - 1) // 4))  # a cold turn moves every page
+        for t in range(1, 4):
+            o = got[t]
+            cold = -(-(o.prompt_tokens - 1) // 4) * page_bytes
+            assert o.cached_tokens >= got[t - 1].prompt_tokens - 4  # the decoder held the history
+            assert 0 < sent[f"turn{t}"] <= 0.1 * cold, (t, sent[f"turn{t}"], cold)
+            assert sent[f"turn{t}"] == (-(-(o.prompt_tokens - 1) // 4) - o.cached_tokens // 4) * page_bytes
+    finally:
+        c.stop()
+
+
+def test_a_full_decoder_hit_moves_no_kv(tiny_engine_dir: Dirs) -> None:
+    prompt = prompt_of(41, 6)  # [0, 40): 10 full pages, all cached after the first run
+    c = cluster(tiny_engine_dir, groups=1)
+    sent = sent_bytes(c)
+    try:
+        first = c.run({"a": prompt})["a"]
+        second = c.run({"b": prompt})["b"]
+        wait_for(c.settled, what="every page back")
+        assert second.output_ids == first.output_ids
+        assert (first.cached_tokens, second.cached_tokens) == (0, 40)
+        assert "b" not in sent and sent["a"] > 0  # the second never reached a prefill node
+    finally:
+        c.stop()
+
+
+def test_the_prefill_node_reuses_its_own_cache(tiny_engine_dir: Dirs) -> None:
+    """A prompt the decoder has never seen but the prefill node has: it computes only the new part
+    (its cache counts a hit), still sends every page, and the tokens are the same."""
+    shared = prompt_of(64, 7)
+    c = cluster(tiny_engine_dir, groups=1)
+    sent = sent_bytes(c)
+    try:
+        c.run({"a": shared + prompt_of(5, 8)})
+        wait_for(c.settled, what="every page back")
+        assert c.decode.clear_prefix_cache() > 0  # the decoder forgets; the prefill node keeps its pages
+        prefill = c.prefills[0].engine
+        before = prefill.cache_stats().hits
+        got = c.run({"b": shared + prompt_of(5, 9)})["b"]
+        wait_for(c.settled, what="every page back")
+        assert prefill.cache_stats().hits - before == 64
+        assert got.cached_tokens == 0  # the decoder's own count: it had nothing
+        assert sent["b"] == sent["a"]  # 68 tokens of KV either way: the decoder lacked all of it
+        want = colocated(tiny_engine(tiny_engine_dir("llama"), prefix_cache=False))("b", shared + prompt_of(5, 9))
+        assert got.output_ids == want.output_ids
+    finally:
+        c.stop()
