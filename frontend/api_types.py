@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from torch_engine.sampling import MAX_CACHE_SALT
+
 MAX_STOP_CHARS = 1000  # per stop sequence (OpenAI allows 4 of them); matching is linear in the text anyway
 
 
@@ -42,6 +44,12 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, description="extension (vLLM, TensorRT-LLM): 1 is off")
     ignore_eos: bool = Field(default=False, description="extension (vLLM): generate max_tokens tokens")
     user: str | None = None
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT,
+        description="extension (vLLM): only requests with the same salt share cached KV pages",
+    )
 
     @field_validator("n")
     @classmethod
@@ -131,10 +139,15 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from a prefix cache, not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class TopLogprob(BaseModel):

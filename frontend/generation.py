@@ -17,6 +17,7 @@ from frontend import upstream
 from frontend.api_types import (
     ChatCompletionRequest,
     CompletionRequest,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -54,13 +55,17 @@ class Outcome:
 
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from the serving group's prefix cache
     finish_reason: str | None = None
     group: str | None = None
 
     @property
     def usage(self) -> Usage:
         total = self.prompt_tokens + self.completion_tokens
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
+        return Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )  # fmt: skip
 
 
 class Generator:
@@ -102,7 +107,7 @@ class Generator:
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logprobs=req.num_top_logprobs,
+            logprobs=req.num_top_logprobs, cache_salt=req.cache_salt,
         )  # fmt: skip
         try:
             check_sampling(params)  # every value fits the type the wire carries it in
@@ -118,16 +123,17 @@ class Generator:
         tried: set[str] = set()
         failures: list[str] = []
         while True:
-            group = self.pool.pick(tried)
-            if group is None:
+            picked = self.pool.pick(tried, ids, s.cache_salt)
+            if picked is None:
                 downs = "; ".join(failures or [f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up])
                 raise ApiError(503, f"no decode group can serve this request ({downs})", "server_error")
+            group, expected = picked
             tried.add(group.name)
             outcome.group = group.name
             self.metrics.served.labels(group.name).inc()
             got_any = False
             assert group.client is not None
-            with self.pool.track(group, len(ids), s.max_tokens) as ticket:
+            with self.pool.track(group, len(ids) - expected, s.max_tokens) as ticket:
                 try:
                     calls = upstream.stream(group.client, ids, s, rid, self.cfg.spec.request_timeout_s)
                     async with contextlib.aclosing(calls) as responses:
@@ -158,6 +164,7 @@ class Generator:
             async for piece in pieces:
                 new = piece.generated - outcome.completion_tokens
                 outcome.completion_tokens = piece.generated
+                outcome.cached_tokens = piece.cached
                 self.metrics.tokens.labels("completion").inc(new)
                 delta = Delta(text.push(piece.window, piece.skip), self._logprobs(piece))
                 if piece.finish_reason:
@@ -170,6 +177,7 @@ class Generator:
                 if delta.text or delta.logprobs or piece.finish_reason:
                     yield delta
         self.metrics.tokens.labels("prompt").inc(outcome.prompt_tokens)
+        self.metrics.tokens.labels("prompt_cached").inc(outcome.cached_tokens)
 
     def _logprobs(self, piece: Piece) -> list[TokenLogprob]:
         if not piece.logprobs:

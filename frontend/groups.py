@@ -1,10 +1,13 @@
 """The decode groups behind the router: who is up, who has the least work, who to try next.
 
-Load is the router's own count of each group's outstanding tokens (prompt tokens until the
-first token arrives, plus the tokens still allowed to be generated): every request of the
-deployment comes through here, so this count is exact and current, with no polling. A group
-leaves rotation when a call to it fails in transport or a readiness probe fails, and comes back
-when a probe succeeds.
+Load is the router's own count of each group's outstanding tokens (the prompt tokens it must
+compute until the first token arrives, plus the tokens still allowed to be generated): every
+request of the deployment comes through here, so this count is exact and current, with no
+polling. A request goes to the group with the least expected work: that load plus the prompt
+tokens the group's prefix cache lacks (``cache_index.py``, kept from each group's KV events,
+polled with every readiness probe) — which, with decode-first reuse, are also the KV it would
+have moved from a prefill group. A group leaves rotation when a call to it fails in transport or
+a readiness probe fails, and comes back when a probe succeeds.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import InferenceServerException
 
+from frontend import upstream
+from frontend.cache_index import CacheIndex
 from frontend.config import GroupEndpoint
 from serving.names import Model
 
@@ -35,6 +40,7 @@ class Group:
     outstanding: int = 0  # tokens
     in_flight: int = 0
     served: int = 0
+    cache: CacheIndex = field(default_factory=CacheIndex)
 
 
 @dataclass(slots=True)
@@ -72,10 +78,12 @@ class GroupPool:
     def ready(self) -> bool:
         return any(g.up for g in self.groups)
 
-    def pick(self, exclude: set[str]) -> Group | None:
-        """The up group with the least outstanding tokens (then fewest requests), not in ``exclude``."""
-        candidates = [g for g in self.groups if g.up and g.name not in exclude]
-        return min(candidates, key=lambda g: (g.outstanding, g.in_flight), default=None)
+    def pick(self, exclude: set[str], prompt: Sequence[int] = (), salt: str | None = None) -> tuple[Group, int] | None:
+        """The up group not in ``exclude`` with the least expected work (outstanding tokens plus the
+        ``prompt`` tokens its cache lacks; then fewest requests), and its expected cached tokens."""
+        candidates = [(g, g.cache.cached_tokens(prompt, salt)) for g in self.groups if g.up and g.name not in exclude]
+        best = min(candidates, key=lambda c: (c[0].outstanding + len(prompt) - c[1], c[0].in_flight), default=None)
+        return best
 
     @contextlib.contextmanager
     def track(self, group: Group, prompt_tokens: int, max_tokens: int) -> Iterator[Ticket]:
@@ -106,9 +114,21 @@ class GroupPool:
             return
         if not ready:
             self.down(group, f"model {Model.DECODE.value} is not ready")
-        elif not group.up:
-            log.info("decode group %s (%s) is in rotation", group.name, group.url)
-            group.up, group.why_down = True, ""
+        else:
+            if not group.up:
+                log.info("decode group %s (%s) is in rotation", group.name, group.url)
+                group.up, group.why_down = True, ""
+            await self._poll_events(group, timeout_s)
+
+    async def _poll_events(self, group: Group, timeout_s: float) -> None:
+        """The group's prefix-cache events since the last poll (a failure only delays them)."""
+        assert group.client is not None
+        try:
+            batch = await asyncio.wait_for(upstream.events(group.client, group.cache.query(), timeout_s), timeout_s)
+        except (upstream.GroupUnavailable, upstream.Refused, TimeoutError) as exc:
+            log.debug("decode group %s: no cache events this time: %s", group.name, exc)
+            return
+        group.cache.apply(batch)
 
     async def probe_forever(self, interval_s: float) -> None:
         while True:

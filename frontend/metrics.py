@@ -23,7 +23,12 @@ class RouterMetrics:
         self.itl = Histogram(
             "disagg_router_inter_token_latency_seconds", "Between consecutive text pieces", buckets=BUCKETS, registry=r
         )
-        self.tokens = Counter("disagg_router_tokens", "Tokens by kind", ["kind"], registry=r)
+        self.tokens = Counter(
+            "disagg_router_tokens",
+            "Tokens by kind (prompt, prompt_cached: of them, reused from a prefix cache; completion)",
+            ["kind"],
+            registry=r,
+        )
         self.in_flight = Gauge("disagg_router_in_flight", "Requests in flight per decode group", ["group"], registry=r)
         self.outstanding = Gauge(
             "disagg_router_outstanding_tokens", "Outstanding tokens per decode group", ["group"], registry=r

@@ -16,7 +16,16 @@ import numpy as np
 import tritonclient.grpc.aio as aioclient
 from tritonclient.grpc import InferenceServerException, InferRequestedOutput
 
-from serving.codecs import DECODE, DecodeCall, DecodePiece, encode_decode, parse_piece
+from serving.codecs import (
+    DECODE,
+    DecodeCall,
+    DecodePiece,
+    encode_decode,
+    encode_events_query,
+    parse_events,
+    parse_piece,
+)
+from serving.kv_events import KVEventBatch, KVEventsQuery
 from serving.names import Model, Tensor
 from serving.wire import client_inputs
 from torch_engine.sampling import InvalidRequestError, SamplingParams
@@ -31,7 +40,7 @@ class Refused(RuntimeError):
 
 
 Piece = DecodePiece  # one streamed response of ``decode`` (its codec: ``serving.codecs``)
-OUTPUTS = (Tensor.OUTPUT_IDS, Tensor.TEXT_SKIP, Tensor.SEQUENCE_LENGTH, Tensor.FINISH_REASON)
+OUTPUTS = (Tensor.OUTPUT_IDS, Tensor.TEXT_SKIP, Tensor.SEQUENCE_LENGTH, Tensor.CACHED_TOKENS, Tensor.FINISH_REASON)
 LOGPROB_OUTPUTS = (Tensor.OUTPUT_LOG_PROBS, Tensor.TOP_LOGPROB_IDS, Tensor.TOP_LOGPROB_VALUES)
 
 
@@ -72,6 +81,32 @@ async def stream(
             if piece.finish_reason:
                 return
         raise GroupUnavailable("the stream ended before the last token")
+    except grpc.aio.AioRpcError as exc:
+        raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
+    finally:
+        responses.cancel()
+
+
+async def events(client: aioclient.InferenceServerClient, query: KVEventsQuery, timeout_s: float) -> KVEventBatch:
+    """The group's prefix-cache events after ``query`` (``serving.kv_events``): one control call."""
+    request = {
+        "model_name": Model.DECODE.value,
+        "inputs": client_inputs(DECODE, encode_events_query(query)),
+        "outputs": [InferRequestedOutput(Tensor.KV_EVENTS.value)],
+    }
+    try:
+        responses = client.stream_infer(_one(request), stream_timeout=timeout_s)
+    except InferenceServerException as exc:
+        raise GroupUnavailable(str(exc)) from None
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise Refused(str(error.message() or error))
+            try:
+                return parse_events(result.as_numpy)
+            except InvalidRequestError as exc:
+                raise Refused(f"the decode model's events: {exc}") from None
+        raise GroupUnavailable("the events call ended without a response")
     except grpc.aio.AioRpcError as exc:
         raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
     finally:

@@ -20,8 +20,10 @@ import json
 from dataclasses import dataclass, fields
 
 import numpy as np
+from pydantic import ValidationError
 
 from kv_messenger.protocol import PrefillRequest, RankEndpoint
+from serving.kv_events import KVEventBatch, KVEventsQuery
 from serving.names import Model, Tensor
 from serving.wire import SAMPLING, SIGNATURES, Arrays, Getter, Reader, WireType, encode
 from torch_engine.sampling import InvalidRequestError, SamplingParams
@@ -65,7 +67,13 @@ def parse_sampling(r: Reader, max_tokens_limit: int) -> SamplingParams:
         raise InvalidRequestError(f"num_return_sequences {n} is not supported (only 1)")
     kw: dict[str, object] = {}
     for tensor, name in SCALARS:
-        value = r.flag(tensor) if isinstance(_DEFAULTS[name], bool) or name == "speculate" else _number(r, tensor)
+        value: object
+        if DECODE.port(tensor).type is WireType.BYTES:
+            value = r.text(tensor)
+        elif isinstance(_DEFAULTS[name], bool) or name == "speculate":
+            value = r.flag(tensor)
+        else:
+            value = _number(r, tensor)
         if value is not None:
             kw[name] = value
     max_tokens = kw.get("max_tokens")
@@ -108,6 +116,36 @@ def encode_decode(call: DecodeCall) -> Arrays:
     return encode(DECODE, values)
 
 
+def encode_events_query(q: KVEventsQuery) -> Arrays:
+    """A router's prefix-cache event poll (``serving.kv_events``)."""
+    return encode(DECODE, {T.KV_EVENTS_QUERY: q.model_dump_json()})
+
+
+def events_query(get: Getter) -> KVEventsQuery | None:
+    """The event poll this call is, or None (a generation or a stop)."""
+    raw = Reader(get, DECODE.inputs).text(T.KV_EVENTS_QUERY)
+    if raw is None:
+        return None
+    try:
+        return KVEventsQuery.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"input kv_events_query is not a KVEventsQuery: {exc}") from None
+
+
+def encode_events(batch: KVEventBatch) -> Arrays:
+    return encode(DECODE, {T.KV_EVENTS: batch.model_dump_json()}, outputs=True)
+
+
+def parse_events(get: Getter) -> KVEventBatch:
+    raw = Reader(get, DECODE.outputs).text(T.KV_EVENTS)
+    if raw is None:
+        raise InvalidRequestError("the response has no kv_events")
+    try:
+        return KVEventBatch.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"output kv_events is not a KVEventBatch: {exc}") from None
+
+
 def encode_stop() -> Arrays:
     """TensorRT-LLM's stop request: abort the live requests this call's request id names."""
     return encode(DECODE, {T.STOP: True})
@@ -140,6 +178,7 @@ class DecodePiece:
     top_ids: tuple[tuple[int, ...], ...] = ()  # per new token, its top alternatives
     top_logprobs: tuple[tuple[float, ...], ...] = ()
     stop_words: tuple[str, ...] = ()  # passed on to postprocessing
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 def encode_piece(p: DecodePiece) -> Arrays:
@@ -148,6 +187,7 @@ def encode_piece(p: DecodePiece) -> Arrays:
         T.OUTPUT_IDS: list(p.window),
         T.TEXT_SKIP: p.skip,
         T.SEQUENCE_LENGTH: p.generated,
+        T.CACHED_TOKENS: p.cached,
         T.FINISH_REASON: p.finish_reason,
         T.OUTPUT_LOG_PROBS: list(p.logprobs),
     }
@@ -164,7 +204,7 @@ def parse_piece(get: Getter, top_logprobs: int | None) -> DecodePiece:
     r = Reader(get, DECODE.outputs)
     piece = DecodePiece(
         tuple(r.ints(T.OUTPUT_IDS)), r.integer(T.TEXT_SKIP) or 0, r.integer(T.SEQUENCE_LENGTH) or 0,
-        r.text(T.FINISH_REASON) or "",
+        r.text(T.FINISH_REASON) or "", cached=r.integer(T.CACHED_TOKENS) or 0,
     )  # fmt: skip
     if top_logprobs is None:
         return piece
@@ -174,6 +214,7 @@ def parse_piece(get: Getter, top_logprobs: int | None) -> DecodePiece:
     return DecodePiece(
         piece.window, piece.skip, piece.generated, piece.finish_reason, tuple(values),
         tuple(tuple(int(t) for t in row) for row in ids), tuple(tuple(float(v) for v in row) for row in tops),
+        cached=piece.cached,
     )  # fmt: skip
 
 

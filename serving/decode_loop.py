@@ -89,6 +89,7 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
         self.kv_poll_s = kv_poll_s
         self._callbacks: dict[str, Callback] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._cache_seq = 0  # the engine's last prefix-cache event handed to a report
         self._start()
 
     def submit(
@@ -173,7 +174,11 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
             prefills = self.kv.prefill_counts()
         spec = self.engine.spec_stats
         drafts = (spec.proposed, spec.accepted)
-        return LoopReport(self.engine.page_stats(), waiting, running, records, drafts, prefills)
+        events = self.engine.cache_events(self._cache_seq)
+        self._cache_seq = events.seq
+        return LoopReport(
+            self.engine.page_stats(), waiting, running, records, drafts, prefills, self.engine.cache_stats(), events
+        )
 
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         """Adds the new text (never a split UTF-8 character; a matched stop string cut) and the

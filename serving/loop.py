@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from torch_engine.kv_cache import PageStats
+from torch_engine.pages import PageStats
+from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class LoopReport:
     records: dict[str, int]  # per-request records held, by structure: all 0 on an idle node (bounded state)
     drafts: tuple[int, int] = (0, 0)  # speculative draft tokens so far: (proposed, accepted)
     prefills: tuple[int, int] = (0, 0)  # disaggregated decode nodes: prompts prefilled (here, at a prefill group)
+    cache: CacheStats = NO_CACHE  # this node's prefix cache: pages, tokens looked up, tokens found
+    cache_events: CacheEvents | None = None  # its events since the last report (``serving.kv_events``)
 
 
 ReportHook = Callable[[LoopReport], None]

@@ -52,6 +52,7 @@ class Tensor(enum.StrEnum):
     BEAM_WIDTH = "beam_width"
     IGNORE_EOS = "ignore_eos"
     SPECULATE = "speculate"  # ours: per-request speculative decoding on / off (unset: the deployment's default)
+    CACHE_SALT = "cache_salt"  # ours (vLLM's name): only requests with the same salt share cached KV pages
     REPETITION_PENALTY = "repetition_penalty"
     PRESENCE_PENALTY = "presence_penalty"
     FREQUENCY_PENALTY = "frequency_penalty"
@@ -59,9 +60,12 @@ class Tensor(enum.StrEnum):
     TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
     NUM_RETURN_SEQUENCES = "num_return_sequences"
     STOP = "stop"  # TensorRT-LLM's: true stops the live requests named by this call's request id
+    KV_EVENTS_QUERY = "kv_events_query"  # ours: a KVEventsQuery (JSON): answered with kv_events, nothing generated
+    KV_EVENTS = "kv_events"  # ours: a KVEventBatch (JSON): the node's prefix-cache events (serving/kv_events.py)
     PAD_ID = "pad_id"  # accepted on `ensemble` (TensorRT-LLM clients send it), not used
     OUTPUT_IDS = "output_ids"
     SEQUENCE_LENGTH = "sequence_length"  # tokens generated so far
+    CACHED_TOKENS = "cached_tokens"  # ours: prompt tokens whose KV came from the prefix cache
     FINISH_REASON = "finish_reason"  # ours: "" until the last response, then "stop" or "length"
     OUTPUT_LOG_PROBS = "output_log_probs"  # of the response's new tokens
     CUM_LOG_PROBS = "cum_log_probs"  # `ensemble`: of every token so far

@@ -114,7 +114,7 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
             records = {"outstanding": len(self._outstanding), "started": len(self._started)}
         records |= {"engine": self.engine.num_requests(), "sources": self.link.live()}
         records |= {"messenger": self.side.jobs(), "tombstones": self.side.tombstones()}
-        return LoopReport(self.engine.page_stats(), waiting, running, records)
+        return LoopReport(self.engine.page_stats(), waiting, running, records, cache=self.engine.cache_stats())
 
     # -- ServingLoop ---------------------------------------------------------------------
     def _admit(self, item: PrefillRequest) -> None:
@@ -152,7 +152,7 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
             self._stepped = True
             for out in self.link.step():
                 if self.tracer is not None and out.finish_reason is FinishReason.PREFILLED:
-                    self.tracer.mark(out.request_id, "prefilled")
+                    self.tracer.mark(out.request_id, "prefilled", prefill_cached_tokens=out.cached_tokens)
         else:
             self.side.sync()  # TP followers: collect their completions, or a heartbeat
         for outcome in self.link.poll():

@@ -100,6 +100,7 @@ SAMPLING: tuple[SamplingInput, ...] = (  # TensorRT-LLM's names
     SamplingInput(Port(T.BEAM_WIDTH, _I)),
     SamplingInput(Port(T.IGNORE_EOS, _B), "ignore_eos"),
     SamplingInput(Port(T.SPECULATE, _B), "speculate"),
+    SamplingInput(Port(T.CACHE_SALT, WireType.BYTES), "cache_salt"),
     SamplingInput(Port(T.REPETITION_PENALTY, _F), "repetition_penalty"),
     SamplingInput(Port(T.PRESENCE_PENALTY, _F), "presence_penalty"),
     SamplingInput(Port(T.FREQUENCY_PENALTY, _F), "frequency_penalty"),
@@ -118,16 +119,24 @@ SIGNATURES: dict[Model, Signature] = {
     ),
     Model.DECODE: Signature(
         Model.DECODE,
-        (Port(T.INPUT_IDS, WireType.INT32, (-1,)), Port(T.STOP, WireType.BOOL), *SAMPLING_PORTS, _ECHO),
+        (
+            Port(T.INPUT_IDS, WireType.INT32, (-1,)),
+            Port(T.STOP, WireType.BOOL),
+            *SAMPLING_PORTS,
+            _ECHO,
+            Port(T.KV_EVENTS_QUERY, WireType.BYTES),
+        ),
         (
             Port(T.OUTPUT_IDS, WireType.INT32, (-1,), optional=False),
             Port(T.TEXT_SKIP, WireType.INT32, optional=False),
             Port(T.STOP_WORDS_OUT, WireType.BYTES, (-1,), optional=False),
             Port(T.SEQUENCE_LENGTH, WireType.INT32, optional=False),
+            Port(T.CACHED_TOKENS, WireType.INT32, optional=False),
             Port(T.FINISH_REASON, WireType.BYTES, optional=False),
             _LOGPROBS,
             Port(T.TOP_LOGPROB_IDS, WireType.INT32, (-1, -1), optional=False),
             Port(T.TOP_LOGPROB_VALUES, WireType.FP32, (-1, -1), optional=False),
+            Port(T.KV_EVENTS, WireType.BYTES, optional=False),
         ),
     ),
     Model.POSTPROCESSING: Signature(

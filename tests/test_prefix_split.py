@@ -5,6 +5,8 @@ cache-off engine's; KV bytes follow the uncached pages; nothing is left held."""
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,5 +109,36 @@ def test_the_prefill_node_reuses_its_own_cache(tiny_engine_dir: Dirs) -> None:
         assert sent["b"] == sent["a"]  # 68 tokens of KV either way: the decoder lacked all of it
         want = colocated(tiny_engine(tiny_engine_dir("llama"), prefix_cache=False))("b", shared + prompt_of(5, 9))
         assert got.output_ids == want.output_ids
+    finally:
+        c.stop()
+
+
+def test_cancels_at_every_phase_and_eviction_during_transfers_leave_nothing_held(tiny_engine_dir: Dirs) -> None:
+    """Shared-prefix requests on a decoder too small to keep them all: cached pages are shared,
+    evicted and reused while transfers pin others, and some requests are cancelled at once, after
+    a step or two, or mid-decode. The ones that finish say what the cache-off colocated engine
+    says; afterwards no page is held or pinned on either side and every record is gone."""
+    shared = prompt_of(48, 11)
+    prompts = {f"r{i}": shared + prompt_of(3 + i % 7, 200 + i) for i in range(24)}
+    prompts |= {f"cold{i}": prompt_of(30, 300 + i) for i in range(6)}  # pressure: pages the cache must give up
+    c = cluster(tiny_engine_dir, groups=2, decode_pages=48)
+    rng = random.Random(3)
+    cancelled: set[str] = set()
+    try:
+        for rid, p in prompts.items():
+            c.submit(rid, p)
+            if rng.random() < 0.3:
+                time.sleep(rng.choice([0.0, 0.002, 0.02]))  # before admission, mid-transfer, or decoding
+                c.loop.cancel(rid)
+                cancelled.add(rid)
+        wait_for(lambda: all(r in c.done or r in cancelled for r in prompts), timeout_s=60, what="requests")
+        wait_for(c.settled, what="every page back")
+        ref = colocated(tiny_engine(tiny_engine_dir("llama"), prefix_cache=False))
+        finished = [r for r in prompts if r in c.done and r not in cancelled]
+        assert len(finished) >= 12
+        for rid in finished:
+            assert c.done[rid].output_ids == ref(rid, prompts[rid]).output_ids, rid
+        assert any(c.done[r].cached_tokens for r in finished)  # the shared prefix was reused
+        assert c.decode.page_stats().pinned == 0 and c.decode.page_stats().used == 0
     finally:
         c.stop()

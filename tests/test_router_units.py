@@ -95,13 +95,13 @@ def test_the_least_loaded_group_is_picked() -> None:
     for g in pool.groups:
         g.up = True
     with pool.track(pool.groups[0], 100, 50), pool.track(pool.groups[1], 10, 20) as t:
-        assert pool.pick(set()) is pool.groups[2]
-        assert pool.pick({"c"}) is pool.groups[1]
+        assert pool.pick(set()) == (pool.groups[2], 0)
+        assert pool.pick({"c"}) == (pool.groups[1], 0)
         t.progress(5)  # 15 tokens left to generate: the prompt no longer counts
         assert pool.groups[1].outstanding == 15
     assert [g.outstanding for g in pool.groups] == [0, 0, 0]
     pool.groups[2].up = False
-    assert pool.pick(set()) is pool.groups[0]
+    assert pool.pick(set()) == (pool.groups[0], 0)
 
 
 @pytest.mark.parametrize(

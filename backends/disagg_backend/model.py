@@ -41,6 +41,7 @@ from serving import codecs
 from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
 from serving.codecs import DecodePiece
 from serving.decode_loop import DecodeLoop
+from serving.kv_events import KVEventLog
 from serving.loop import LoopReport
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
@@ -149,7 +150,10 @@ class Decode(_Role):
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
         self.metrics = _Metrics()
-        self.loop, self.tracer = decode_loop(node, on_report=self.metrics.report)
+        self.events: KVEventLog | None = None  # the prefix cache's events for routers (``kv_events_query``)
+        self.loop, self.tracer = decode_loop(node, on_report=self._report)
+        desc = self.loop.engine.describe()
+        self.events = KVEventLog(desc.cache_identity, desc.page_size)
         self.loop.on_fatal = _exit_process
         self._ids = RequestIds(group_name(node.role, node.group))
         self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
@@ -170,6 +174,11 @@ class Decode(_Role):
             if codecs.is_stop(get):
                 self.stop(request.request_id(), sender)
                 return
+            query = codecs.events_query(get)
+            if query is not None:
+                assert self.events is not None
+                sender.send(_response(codecs.encode_events(self.events.since(query))), flags=FINAL)
+                return
             call = codecs.parse_decode(get, self.node.limits.max_tokens)
         except InvalidRequestError as exc:  # answered on this request's stream; the others go on
             sender.send(_error(str(exc)), flags=FINAL)
@@ -187,6 +196,11 @@ class Decode(_Role):
                 self._live.setdefault(client, set()).add(rid)
         responder.on_done = lambda: self._forget(client, rid)
         self.loop.submit(rid, ids, params, responder)
+
+    def _report(self, r: LoopReport) -> None:
+        self.metrics.report(r)
+        if self.events is not None and r.cache_events is not None:
+            self.events.record(r.cache_events)
 
     def stop(self, client: str, sender: Any) -> None:
         """``stop``: abort every live request this request id names (TensorRT-LLM's stop request)."""
@@ -338,7 +352,8 @@ class _NodeMetrics:
         ]
         pages, queue, records = self._families
         self._labels = {"model": model.value}
-        self.pages = {s: pages.Metric(labels=self._labels | {"state": s}) for s in ("free", "used", "pinned")}
+        states = ("free", "used", "pinned", "cached")  # cached: of the free ones, keeping a prefix until needed
+        self.pages = {s: pages.Metric(labels=self._labels | {"state": s}) for s in states}
         self.queue = {q: queue.Metric(labels=self._labels | {"queue": q}) for q in ("waiting", "running")}
         self._records_family = records
         self.records: dict[str, Any] = {}
@@ -355,11 +370,24 @@ class _NodeMetrics:
         where = ("local", "remote")
         self.prefills = {w: self._prefills_family.Metric(labels=self._labels | {"where": w}) for w in where}
         self._prefills_seen = (0, 0)
+        self._cache_family = fam(
+            "disagg_prefix_cache_tokens_total",
+            "Prompt tokens looked up in this node's prefix cache / found there (hit rate: found / queried)",
+            fam.COUNTER,
+        )
+        self.cache = {k: self._cache_family.Metric(labels=self._labels | {"kind": k}) for k in ("queried", "found")}
+        self._cache_seen = (0, 0)
 
     def report(self, r: LoopReport) -> None:
         self.pages["free"].set(r.pages.free)
         self.pages["used"].set(r.pages.used)
         self.pages["pinned"].set(r.pages.pinned)
+        self.pages["cached"].set(r.pages.cached)
+        seen = (r.cache.queries, r.cache.hits)
+        if seen != self._cache_seen:
+            for kind, now, before in zip(("queried", "found"), seen, self._cache_seen, strict=True):
+                self.cache[kind].increment(now - before)
+            self._cache_seen = seen
         self.queue["waiting"].set(r.waiting)
         self.queue["running"].set(r.running)
         (proposed, accepted), (p0, a0) = r.drafts, self._drafts_seen
@@ -480,7 +508,7 @@ class _Responder:
         lps, self.logprobs = self.logprobs, []
         piece = DecodePiece(
             window, skip, self.generated, reason, tuple(lp.logprob for lp in lps),
-            tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop,
+            tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop, out.cached_tokens,
         )  # fmt: skip
         self.sender.send(_response(codecs.encode_piece(piece)), flags=FINAL if out.finished else 0)
 
@@ -493,8 +521,9 @@ class _Responder:
                 proposed, accepted = out.drafts
                 tokens = len(out.output_ids) or len(self.all_ids)
                 self.tracer.finish(
-                    out.request_id, output_tokens=tokens, drafts_proposed=proposed, drafts_accepted=accepted
-                )
+                    out.request_id, output_tokens=tokens, drafts_proposed=proposed, drafts_accepted=accepted,
+                    cached_tokens=out.cached_tokens,
+                )  # fmt: skip
         n = len(out.new_token_ids)
         if n:  # per token: the tokens of a speculative burst share the wait before it
             dt = now - self.last

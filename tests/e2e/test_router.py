@@ -152,6 +152,8 @@ def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -
         ({"max_tokens": 0}, 400, None),
         ({"messages": []}, 400, None),
         ({"model": "gpt-4o"}, 404, "model_not_found"),
+        ({"extra_body": {"cache_salt": ""}}, 400, None),
+        ({"extra_body": {"cache_salt": "s" * 300}}, 400, None),
     ],
 )
 def test_bad_requests_get_openai_errors(deployment: Launch, fields: dict[str, object], status: int, code: str) -> None:
@@ -164,6 +166,40 @@ def test_bad_requests_get_openai_errors(deployment: Launch, fields: dict[str, ob
     assert isinstance(error, dict) and error["message"] and error["type"] and error.get("code") == code
     ok = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].message.content  # the deployment keeps serving
+
+
+def test_a_conversation_reuses_its_history_on_the_group_that_holds_it(deployment: Launch, engine: LLMEngine) -> None:
+    """A multi-turn chat: each turn goes to the decode group whose prefix cache holds the history
+    (the router's index, from the groups' KV events), reports the reused tokens in OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` and says what the engine says, token for token."""
+    client = _client(deployment)
+    tok = engine.tokenizer
+    assert tok is not None
+    system = "You are a careful assistant who answers briefly and exactly. " * 12
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    cached: list[int] = []
+    groups: list[str] = []
+    lengths: list[int] = []
+    for question in ["Name a colour.", "Name another one.", "And a third?"]:
+        messages.append({"role": "user", "content": question})
+        before = _served(deployment)
+        r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+        answer = r.choices[0].message.content or ""
+        ids = tok.encode_chat(messages)
+        assert answer == tok.decode(engine.generate([ids], SamplingParams(max_tokens=8))[0])
+        assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+        details = r.usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens is not None
+        cached.append(details.cached_tokens)
+        lengths.append(len(ids))
+        after = _served(deployment)
+        groups += [g for g in after if after[g] > before.get(g, 0.0)]
+        messages.append({"role": "assistant", "content": answer})
+        time.sleep(2.5)  # the router polls the groups' events with each readiness probe (every second)
+    assert len(groups) == 3 and len(set(groups)) == 1, groups  # the router followed the cache
+    for t in (1, 2):  # the whole history but its last page or two
+        assert cached[t] >= lengths[t - 1] // 16 * 16 - 16 > 0, (cached, lengths)
+    assert cached[0] < cached[1] < cached[2]
 
 
 def test_the_api_key_is_required_except_for_health(deployment: Launch) -> None:
