@@ -52,7 +52,8 @@ def page_metric(port: int, state: str) -> float:
 
 
 def reference(engine_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    return tiny_engine(engine_dir).generate(prompts, SamplingParams(max_tokens=max_tokens))
+    """The colocated TP 1 engine's tokens, its prefix cache off (deployments run with theirs on)."""
+    return tiny_engine(engine_dir, prefix_cache=False).generate(prompts, SamplingParams(max_tokens=max_tokens))
 
 
 @pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp"), [("llama", 2, 1), ("llama", 1, 2), ("deepseek_v3", 2, 1)])
@@ -62,8 +63,12 @@ def test_tp_mismatch_equals_colocated_tp1(
     want = reference(tiny_engine_dir(kind, 1), PROMPTS, 12)
     with deployed(tiny_cfg(tmp_path, tiny_engine_dir, kind, prefill_tp, decode_tp)) as launch:
         got = run_ids(grpc_url(launch), PROMPTS, 12)
-    assert [c.error for c in got] == [None] * len(PROMPTS)
+        # a second turn of each: the decoder's prefix cache holds the history, the prefill node writes the rest
+        follow = [p + c.token_ids + prompt_of(5, 900 + i) for i, (p, c) in enumerate(zip(PROMPTS, got, strict=True))]
+        warm = run_ids(grpc_url(launch), follow, 12)
+    assert [c.error for c in got + warm] == [None] * 2 * len(PROMPTS)
     assert [c.token_ids for c in got] == want
+    assert [c.token_ids for c in warm] == reference(tiny_engine_dir(kind, 1), follow, 12)
 
 
 def test_two_decode_groups_share_one_prefill_group(tiny_engine_dir, tmp_path) -> None:
