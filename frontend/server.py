@@ -138,12 +138,13 @@ class Router:
         try:
             return await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):  # the client went away: nginx's 499 in the metrics
-            self.metrics.requests.labels(request.path, "499").inc()
+            self.metrics.requests.labels(_route(request), "499").inc()
             raise
         except ApiError as e:
-            self.metrics.requests.labels(request.path, str(e.status)).inc()
+            self.metrics.requests.labels(_route(request), str(e.status)).inc()
             return error_response(e)
         except web.HTTPNotFound:
+            self.metrics.requests.labels(_route(request), "404").inc()
             return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
         except web.HTTPMethodNotAllowed:
             return error_response(ApiError(405, f"{request.method} is not allowed on {request.path}"))
@@ -151,7 +152,7 @@ class Router:
             raise  # aiohttp's own answers (none reach here from our routes)
         except Exception as exc:  # a bug of ours: the client gets OpenAI's shape, the server goes on
             log.exception("request %s %s failed", request.method, request.path)
-            self.metrics.requests.labels(request.path, "500").inc()
+            self.metrics.requests.labels(_route(request), "500").inc()
             return error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     @web.middleware
@@ -220,7 +221,7 @@ class Router:
         async with contextlib.aclosing(deltas) as ds:
             async for d in ds:
                 collected.append(d)
-        self.metrics.requests.labels(request.path, "200").inc()
+        self.metrics.requests.labels(_route(request), "200").inc()
         text = "".join(d.text for d in collected)
         lps = [lp for d in collected for lp in d.logprobs]
         reason = _reason(outcome)
@@ -280,7 +281,7 @@ class Router:
             except ApiError as e:
                 if response is None:
                     raise
-                self.metrics.requests.labels(request.path, str(e.status)).inc()
+                self.metrics.requests.labels(_route(request), str(e.status)).inc()
                 await send(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
                 await send("[DONE]")
                 return response
@@ -290,7 +291,7 @@ class Router:
             )
             await send(usage_chunk)
         await send("[DONE]")
-        self.metrics.requests.labels(request.path, "200").inc()
+        self.metrics.requests.labels(_route(request), "200").inc()
         assert response is not None
         return response
 
@@ -335,3 +336,12 @@ def serve(cfg: RouterConfig) -> None:
     router = Router(cfg)
     log.info("router on http://%s:%d/v1 over decode groups %s", cfg.host, cfg.spec.port, [g.name for g in cfg.groups])
     web.run_app(router.app(), host=cfg.host, port=cfg.spec.port, handler_cancellation=True, print=None)
+
+
+ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"))
+
+
+def _route(request: web.Request) -> str:
+    """The metrics label of a request's route: one of ours, or "other" (a client-chosen path must not
+    make a new series: the label set stays bounded)."""
+    return request.path if request.path in ROUTES else "other"

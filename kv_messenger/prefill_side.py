@@ -373,8 +373,11 @@ class PrefillSide:
     def _advance(self, job: _Job) -> bool:
         """Post what is ready, collect finished writes, close the job when over; True if anything moved."""
         moved = False
-        if job.state < PrefillJobState.DONE and self.clock() > job.deadline:
-            job.state, job.error = PrefillJobState.ABORTED, f"request {job.req.request_id}: deadline passed"
+        with self._lock:  # the engine thread moves STREAMING -> DRAINING under it: never over an ABORTED
+            expired = job.state < PrefillJobState.DONE and self.clock() > job.deadline
+            if expired:
+                job.state, job.error = PrefillJobState.ABORTED, f"request {job.req.request_id}: deadline passed"
+        if expired:
             for handle, _, _ in job.inflight:  # cancel what is still in flight; nothing more goes out
                 self.transport.release(handle)
             job.inflight = []
@@ -412,7 +415,8 @@ class PrefillSide:
             moved = True
             if st is TransferState.FAILED:  # none of its writes landed: FIN / ABORTED will not count them
                 job.posted[rank] -= count
-                job.state, job.error = PrefillJobState.FAILED, f"a KV write to decode rank {rank} failed"
+                with self._lock:
+                    job.state, job.error = PrefillJobState.FAILED, f"a KV write to decode rank {rank} failed"
         job.inflight = still
         if not job.inflight and self._finished(job):
             self._close(job)
@@ -462,7 +466,8 @@ class PrefillSide:
             return
         ep = self._peers[job.req.decode_ranks[0]]
         if job.meta.numel() > ep.meta_slot_bytes or not 0 <= job.req.meta_slot < ep.meta_slots:
-            job.state, job.error = PrefillJobState.FAILED, "metadata does not fit the decoder's slot"
+            with self._lock:
+                job.state, job.error = PrefillJobState.FAILED, "metadata does not fit the decoder's slot"
             return
         slot = self._free_staging.popleft()  # one slot per job in DRAINING; returned in _close
         job.staging_slot = slot
@@ -479,8 +484,9 @@ class PrefillSide:
         for d in sorted(targets):
             note = Notification(kind, job.req.request_id, job.req.epoch, job.posted.get(d, 0))
             self.transport.send_notif(job.req.decode_ranks[d], note.encode())
-        if job.state is PrefillJobState.DRAINING:
-            job.state = PrefillJobState.DONE
+        with self._lock:
+            if job.state is PrefillJobState.DRAINING:
+                job.state = PrefillJobState.DONE
         if job.staging_slot is not None:
             self._free_staging.append(job.staging_slot)
         with self._lock:

@@ -160,6 +160,8 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
                 self._outstanding.pop(outcome.request_id, None)
                 started = self._started.pop(outcome.request_id, time.monotonic())
             if self.tracer is not None:
-                self.tracer.finish(outcome.request_id, "kv_sent", kv_bytes=outcome.bytes_posted)
+                self.tracer.close(
+                    outcome.request_id, "kv_sent", kv_bytes=outcome.bytes_posted, state=outcome.state.name
+                )
             if self.on_done is not None:
                 self.on_done(outcome, time.monotonic() - started)

@@ -33,10 +33,24 @@ class Tracer:
     def finish(self, request_id: str, event: str = "finished", **fields: object) -> None:
         """Mark the last event and write the request's line."""
         self.mark(request_id, event, **fields)
+        self.close(request_id, event)
+
+    def close(self, request_id: str, event: str, **fields: object) -> None:
+        """Mark the last event and write the line of a request that has a record open (nothing when it
+        has none: one that ended early, failed or aborted, may be closed twice)."""
         with self._lock:
-            rec = self._open.pop(request_id)
+            rec = self._open.pop(request_id, None)
+            if rec is None:
+                return
+            rec.setdefault(event, time.time())
+            rec.update(fields)
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
+
+    def open_records(self) -> int:
+        """Requests with a record not yet written (bounded state: 0 on an idle node)."""
+        with self._lock:
+            return len(self._open)
 
 
 def read_trace(path: Path) -> list[dict[str, object]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -190,3 +191,31 @@ def test_incompatible_handshake_moves_nothing() -> None:
     dec = DecodeSide(fabric.agent("d0"), b, make_pools(b, None))
     with pytest.raises(IncompatibleLayoutError, match="layout: hnd vs nhd"):
         pre.connect([dec.endpoint()])
+
+
+def test_the_deadline_abort_takes_the_lock_the_engine_thread_drains_under() -> None:
+    """Job state has one writer at a time: the messenger thread's deadline abort waits while the
+    engine thread holds the side's lock (as ``schedule`` does when it moves STREAMING -> DRAINING),
+    so a last chunk can never turn an expired job back into one that sends and ends with FIN."""
+    sc = Scenario(AttentionKind.GQA, KVLayout.HND, 4, 1, 1)
+    clock = Clock()
+    fabric = MemoryFabric()
+    lay = spec(sc.kind, sc.layout, sc.page_size, 1, 0)
+    prefill = PrefillSide(fabric.agent("p0"), lay, make_pools(lay, sc.logical()), FakeProgress(LAYERS), clock=clock)
+    decode = DecodeSide(fabric.agent("d0"), lay, make_pools(lay, None), META_BYTES, 4, clock=clock)
+    prefill.connect([decode.endpoint()])
+    decode.connect([prefill.endpoint()])
+    req = _request(sc).model_copy(update={"ttl_s": 1.0})
+    prefill.submit(req)
+    clock.now = 5.0  # past the job's deadline
+    job = prefill._jobs["r1"]
+    poller = threading.Thread(target=prefill._advance, args=(job,))  # the messenger thread's pass over it
+    with prefill._lock:  # the engine thread inside schedule()
+        poller.start()
+        poller.join(0.3)
+        assert poller.is_alive()  # the abort waits for the lock
+        assert job.state is PrefillJobState.STREAMING
+    poller.join(5)
+    assert not poller.is_alive()
+    prefill.schedule("r1", 1, sc.prompt_len - 1, True, list(range(len(sc.pages()[1]))))  # the last chunk, late
+    assert [o.state for o in prefill.completed()] == [PrefillJobState.ABORTED]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,24 @@ def test_the_least_loaded_group_is_picked() -> None:
 def test_stop_strings_are_cut_across_pieces(pieces: list[str], stops: tuple[str, ...], want: str) -> None:
     cut = StopCutter(stops)
     assert "".join(cut.feed(p) for p in pieces) + cut.flush() == want
+
+
+def test_client_chosen_paths_do_not_grow_the_metrics(smollm2_dir: Path) -> None:
+    """Unbounded state: a random path (refused 401 without the key, 404 with it) is counted under
+    one "other" route, never as a new Prometheus series of its own."""
+    cfg = RouterConfig(
+        spec=RouterSpec(port=1, api_key="k"), model_name="smollm2", engine_dir=smollm2_dir,
+        groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")],
+    )  # fmt: skip
+    router = Router(cfg, ScriptedPool.of(cfg.groups))
+    auth = {"Authorization": "Bearer k"}
+
+    async def go() -> str:
+        async with TestClient(TestServer(router.app())) as client:
+            for i in range(40):
+                assert (await client.post(f"/random/{i}", json={})).status == 401
+                assert (await client.get(f"/v1/x{i}", headers=auth)).status == 404
+            return await (await client.get("/metrics", headers=auth)).text()
+
+    labels = set(re.findall(r'disagg_router_requests_total\{route="([^"]*)"', asyncio.run(go())))
+    assert labels == {"other"}

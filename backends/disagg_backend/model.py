@@ -482,14 +482,17 @@ class _Responder:
             self.on_done()
         if self.sender.is_cancelled():  # the client went away: stop, and only close the stream
             if out.finished:
+                self._close_trace(out.request_id, "cancelled")
                 self.sender.send(flags=FINAL)  # Triton releases the request only once it is closed
             else:
                 self.loop.cancel(out.request_id)
             return
         if out.error is not None:
+            self._close_trace(out.request_id, "failed", error=out.error[:200])
             self.sender.send(_error(out.error), flags=FINAL)
             return
         if out.finish_reason is FinishReason.ABORT:  # aborted here: close the stream
+            self._close_trace(out.request_id, "aborted")
             self.sender.send(flags=FINAL)
             return
         self._observe(out)
@@ -502,6 +505,11 @@ class _Responder:
             self.all_ids.extend(out.new_token_ids)
             if out.finished:
                 self._send((*self.echo, *self.all_ids), 0, out)
+
+    def _close_trace(self, request_id: str, event: str, **fields: object) -> None:
+        """A request that ends without its last token still gets its trace line (no record left open)."""
+        if self.tracer is not None:
+            self.tracer.close(request_id, event, **fields)
 
     def _send(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> None:
         reason = "" if not out.finished else "length" if out.finish_reason is FinishReason.LENGTH else "stop"
