@@ -27,6 +27,7 @@ is over (ready, or releasable / lifted).
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from kv_messenger.layout import KVLayoutSpec, check_compatible
 from kv_messenger.protocol import Notification, NotifKind, RankEndpoint
 from kv_messenger.shard_plan import plan_writes
 from kv_messenger.transport.base import Transport
+
+log = logging.getLogger(__name__)
 
 
 class DecodeJobState(enum.IntEnum):
@@ -94,6 +97,7 @@ class DecodeSide:
         self._jobs: dict[str, _Expect] = {}
         self._fences: dict[tuple[str, int], _Expect] = {}  # abandoned epochs (failover) until no write can land
         self.stale = 0
+        self.malformed = 0  # notifications that did not parse (dropped)
 
     def endpoint(self) -> RankEndpoint:
         return RankEndpoint.of(
@@ -177,7 +181,13 @@ class DecodeSide:
 
     def poll(self) -> DecodePoll:
         for agent, raw in self.transport.notifications():
-            self._on_notification(agent, Notification.decode(raw))
+            try:
+                note = Notification.decode(raw)
+            except ValueError as exc:  # a bad peer costs its own message, never the loop
+                self.malformed += 1
+                log.warning("dropped a notification from %s: %s", agent, exc)
+                continue
+            self._on_notification(agent, note)
         now = self.clock()
         ready: list[str] = []
         failed: list[tuple[str, str]] = []
@@ -217,6 +227,9 @@ class DecodeSide:
             if job is None:
                 self.stale += 1  # an old epoch (or a request already released): never counted
                 return
+        if note.kind is not NotifKind.REFUSED and agent not in job.senders:
+            self.stale += 1  # not one of this epoch's senders: its counts are not this job's
+            return
         if note.kind is NotifKind.REFUSED:  # nobody of that group will write: fail now, with its reason
             job.closed |= job.senders
             if job.state is DecodeJobState.WAITING:

@@ -349,11 +349,17 @@ class PrefillSide:
         msgs = self.transport.notifications()
         now = self.clock()
         for agent, raw in msgs:
-            note = Notification.decode(raw)
+            try:
+                note = Notification.decode(raw)
+            except ValueError as exc:  # a bad peer costs its own message, never the messenger thread
+                log.warning("dropped a notification from %s: %s", agent, exc)
+                continue
             if note.kind is not NotifKind.ABORTED:
                 continue
             with self._lock:
                 job = self._jobs.get(note.request_id)
+                if job is not None and agent not in job.req.decode_ranks:
+                    continue  # only the job's own decode ranks may abort it
                 if job is not None and job.req.epoch == note.epoch:
                     if job.state < PrefillJobState.DONE:
                         job.state = PrefillJobState.ABORTED  # closes with ABORTED (count) once nothing is in flight

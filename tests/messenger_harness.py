@@ -85,11 +85,16 @@ class Scenario:
         return [rank_pages(logical[layer], d, rank)[src_pages] for layer in range(LAYERS)], dst_pages
 
 
-def drive(prefills: list[PrefillSide], progress: list[FakeProgress], req: PrefillRequest, scenario: Scenario) -> None:
-    """Schedule each chunk, then finish its layers one by one, polling the messengers in between."""
+def drive(
+    prefills: list[PrefillSide], progress: list[FakeProgress], req: PrefillRequest, scenario: Scenario,
+    submit: bool = True,
+) -> None:  # fmt: skip
+    """Submit (unless done already), schedule each chunk, then finish its layers one by one, polling
+    the messengers in between."""
     src_pages, _ = scenario.pages()
     for p in prefills:
-        p.submit(req)
+        if submit:
+            p.submit(req)
     chunks = scenario.chunks()
     for step, done in enumerate(chunks, start=1):
         for p in prefills:

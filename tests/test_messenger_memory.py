@@ -12,7 +12,7 @@ import torch
 from kv_messenger.decode_side import DecodeSide
 from kv_messenger.layout import AttentionKind, IncompatibleLayoutError
 from kv_messenger.prefill_side import PrefillJobState, PrefillSide
-from kv_messenger.protocol import PrefillRequest
+from kv_messenger.protocol import Notification, NotifKind, PrefillRequest
 from kv_messenger.transport import MemoryFabric
 from tests.messenger_harness import LAYERS, FakeProgress, Scenario, drive, make_pools, spec
 from torch_engine.config import KVLayout
@@ -219,3 +219,28 @@ def test_the_deadline_abort_takes_the_lock_the_engine_thread_drains_under() -> N
     assert not poller.is_alive()
     prefill.schedule("r1", 1, sc.prompt_len - 1, True, list(range(len(sc.pages()[1]))))  # the last chunk, late
     assert [o.state for o in prefill.completed()] == [PrefillJobState.ABORTED]
+
+
+def test_a_bad_peer_costs_only_its_own_messages() -> None:
+    """A malformed notification, and counts from an agent that is not one of the job's senders (or
+    not one of its decode ranks), are dropped; the request completes from its real sender."""
+    sc = Scenario(AttentionKind.GQA, KVLayout.HND, 4, 1, 1)
+    fabric = MemoryFabric()
+    prefills, progress, decodes = build(sc, fabric, sc.logical())
+    rogue = fabric.agent("rogue")
+    rogue.add_peer("d0", decodes[0].transport.metadata())
+    rogue.add_peer("p0", prefills[0].transport.metadata())
+    n_pages = len(sc.pages()[1])
+    decodes[0].expect("r1", 0, ["p0"], n_pages, seed=1, meta=False, timeout_s=5)
+    rogue.send_notif("d0", b"\xff not a notification")
+    rogue.send_notif("d0", Notification(NotifKind.KV, "r1", 0, 10**6).encode())  # would overflow r1's count
+    rogue.send_notif("d0", Notification(NotifKind.FIN, "r1", 0, 0).encode())
+    polled = decodes[0].poll()
+    assert not polled.ready and not polled.failed and decodes[0].malformed == 1
+    prefills[0].submit(_request(sc))
+    rogue.send_notif("p0", Notification(NotifKind.ABORTED, "r1", 0, 0).encode())  # not r1's decode rank
+    rogue.send_notif("p0", b"|||")
+    drive(prefills, progress, _request(sc), sc, submit=False)
+    for p in prefills:
+        p.poll_once()
+    assert decodes[0].poll().ready == ["r1"]
