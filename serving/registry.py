@@ -19,6 +19,7 @@ launcher is the only authority on a group's death).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -32,6 +33,9 @@ from kv_messenger.protocol import RankEndpoint
 from torch_engine.config import Role
 
 GroupKey = tuple[Role, int]
+
+
+log = logging.getLogger(__name__)
 
 
 class Member(BaseModel):
@@ -76,6 +80,7 @@ def record_name(role: Role, group: int) -> str:
 class Registry:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self.rejected: dict[str, str] = {}  # record file -> why it was skipped (the last read)
 
     def publish(self, record: GroupRecord) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -95,17 +100,23 @@ class Registry:
     def read(self) -> dict[GroupKey, GroupRecord]:
         """Every published record (a file being replaced is read whole: renames are atomic)."""
         out: dict[GroupKey, GroupRecord] = {}
+        rejected: dict[str, str] = {}
         if not self.path.is_dir():
             return out
         for f in sorted(self.path.glob("*.json")):
             with contextlib.suppress(FileNotFoundError):  # withdrawn meanwhile
                 try:
                     rec = GroupRecord.model_validate_json(f.read_text(encoding="utf-8"))
-                except ValidationError as exc:
-                    raise RuntimeError(f"registry record {f} is invalid: {exc}") from exc
+                except (ValidationError, UnicodeDecodeError) as exc:  # a bad record is not a member: skipped
+                    rejected[f.name] = f"invalid: {str(exc)[:300]}"
+                    continue
                 if rec.version != PROTOCOL_VERSION:
-                    raise RuntimeError(f"{f}: group speaks protocol {rec.version}, this rank {PROTOCOL_VERSION}")
+                    rejected[f.name] = f"speaks protocol {rec.version}, this rank {PROTOCOL_VERSION}"
+                    continue
                 out[rec.key] = rec
+        for name in set(rejected) - set(self.rejected):
+            log.warning("registry record %s skipped: %s", name, rejected[name])
+        self.rejected = rejected
         return out
 
     def wait(self, keys: Iterable[GroupKey], timeout_s: float, poll_s: float = 0.05) -> dict[GroupKey, GroupRecord]:
@@ -119,7 +130,8 @@ class Registry:
                 return found
             if time.monotonic() > deadline:
                 names = ", ".join(f"{r.value}{g}" for r, g in sorted(missing, key=lambda k: (k[0].value, k[1])))
-                raise TimeoutError(f"groups not up after {timeout_s:.0f} s: {names}")
+                skipped = "".join(f"; record {n} skipped ({why})" for n, why in sorted(self.rejected.items()))
+                raise TimeoutError(f"groups not up after {timeout_s:.0f} s: {names}{skipped}")
             time.sleep(poll_s)
 
 

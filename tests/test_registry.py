@@ -39,11 +39,17 @@ def test_wait_names_the_groups_that_never_came(tmp_path: Path) -> None:
         reg.wait([(Role.DECODE, 0), (Role.PREFILL, 1)], timeout_s=0.2)
 
 
-def test_a_record_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
+def test_a_bad_record_is_skipped_and_named_not_fatal(tmp_path: Path) -> None:
+    """A record of another protocol version, or a corrupt one, is no member: the good ones are read,
+    the bad ones named (a start-up that waits for them says why they never came)."""
     reg = Registry(tmp_path)
     reg.publish(record(Role.PREFILL, 0).model_copy(update={"version": 999}))
-    with pytest.raises(RuntimeError, match="protocol 999"):
-        reg.read()
+    reg.publish(record(Role.DECODE, 0))
+    (tmp_path / "prefill1.json").write_bytes(b"\xff{not json")
+    assert set(reg.read()) == {(Role.DECODE, 0)}
+    assert "protocol 999" in reg.rejected["prefill0.json"] and "invalid" in reg.rejected["prefill1.json"]
+    with pytest.raises(TimeoutError, match="protocol 999"):
+        reg.wait([(Role.PREFILL, 0)], timeout_s=0.1)
 
 
 def test_membership_reports_deaths_and_new_generations(tmp_path: Path) -> None:
