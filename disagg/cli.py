@@ -16,6 +16,7 @@ from bench import engine as bench_engine
 from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
+from bench.serve import prefix as bench_prefix
 from bench.serve import validate as plan_validate
 from builders import BuildError, train_mtp
 from orchestrator import engine_cli, launch_cli
@@ -50,6 +51,8 @@ BENCHES = [
             bench_transfer.add_arguments, bench_transfer.run),
     Command("serve", "colocated vs disaggregated deployments on equal hardware: TTFT, ITL, goodput",
             bench_serve.add_arguments, bench_serve.run),
+    Command("prefix", "prefix cache off vs on, colocated and disaggregated: multi-turn chat, shared system prompts",
+            bench_prefix.add_arguments, bench_prefix.run),
     Command("spec", "decode speed with and without speculative decoding (n-gram, MTP), acceptance",
             bench_spec.add_arguments, bench_spec.run),
 ]  # fmt: skip

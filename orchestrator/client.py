@@ -29,6 +29,8 @@ class Completion:
     times: list[float] = field(default_factory=list)  # time.time() of each non-empty piece
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    prompt_tokens: int | None = None  # the router's usage (its last event), when it sent one
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def text(self) -> str:
@@ -137,7 +139,7 @@ async def complete_via_router(
 ) -> Completion:
     """One streamed greedy text completion through the router (``X-Request-Id`` names it on the decode node)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": ignore_eos}  # fmt: skip
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}  # fmt: skip
     return await _via_router(f"{base_url}/completions", body, request_id, api_key, None, timeout_s)
 
 
@@ -169,6 +171,10 @@ async def _via_router(
             if "error" in event:
                 done.error = str(event["error"].get("message"))
                 break
+            usage = event.get("usage")
+            if usage:
+                done.prompt_tokens = usage["prompt_tokens"]
+                done.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             choice = event["choices"][0] if event["choices"] else {}
             piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
             if piece:

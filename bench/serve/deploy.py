@@ -42,6 +42,7 @@ def deployment(
     run_dtype: str = "auto",
     frontend: Frontend = Frontend.TRITON,
     placement: PlacementSpec | None = None,
+    prefix_cache: bool = True,
 ) -> ClusterConfig:
     base: dict[str, object] = {
         "mode": mode,
@@ -54,7 +55,8 @@ def deployment(
         "timeouts": {"startup_s": 300, "kv_transfer_s": 120},
         "transport": {"layers_per_post": layers_per_post},
         "placement": (placement or PlacementSpec()).model_dump(mode="json"),
-        "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port()},
+        "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port(), "probe_interval_s": 0.25},
+        "prefix_cache": {"enabled": prefix_cache},
     }
     group = {"tp": 1, "engine_dir": str(engine_dir), "num_pages": 2048}
     if mode == "colocated":
