@@ -58,12 +58,18 @@ def changed_pages(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[
     return pages
 
 
-def test_a_late_write_of_an_abandoned_epoch_lands_only_in_its_fenced_pages(tiny_engine_dir) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "decoder-hit"])
+def test_a_late_write_of_an_abandoned_epoch_lands_only_in_its_fenced_pages(tiny_engine_dir, warm: bool) -> None:
+    """With ``warm``, the decoder holds the victim's first 40 tokens in its prefix cache: those shared
+    pages are never reserved, fenced or written; the fence covers only the pages past the hit."""
     c = cluster(tiny_engine_dir)
     try:
         prompts = {f"other{i}": prompt_of(9 + 7 * i, 50 + i) for i in range(3)}
-        victim = prompt_of(30, 7)
-        plain = tiny_engine(tiny_engine_dir("llama")).generate([victim, *prompts.values()], GREEDY)
+        shared = prompt_of(40, 8)
+        victim = shared + prompt_of(30, 7) if warm else prompt_of(30, 7)
+        if warm:
+            c.run({"warmup": shared + prompt_of(5, 9)})
+        plain = tiny_engine(tiny_engine_dir("llama"), prefix_cache=False).generate([victim, *prompts.values()], GREEDY)
         slow = c.transports[0]
         slow.faults.stall_next = 10**6  # group 0 takes the request and then hangs in its writes
         ScriptedCaller.mode[0] = "timeout"
@@ -73,6 +79,8 @@ def test_a_late_write_of_an_abandoned_epoch_lands_only_in_its_fenced_pages(tiny_
         fenced = c.fetcher.link.fenced()
         assert len(fenced) == 1 and fenced[next(iter(fenced))], "the abandoned epoch's pages are still held"
         fenced_pages = set(next(iter(fenced.values())))
+        assert len(fenced_pages) == -(-(len(victim) - 1) // 4) - (10 if warm else 0)  # past the decoder's hit
+        assert out.cached_tokens == (40 if warm else 0)
         assert c.decode.page_stats().pinned == len(fenced_pages)
         assert c.fetcher.records()["fenced_pages"] == len(fenced_pages)
         others = c.run(prompts)  # other requests run meanwhile: they never get a fenced page
