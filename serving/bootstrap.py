@@ -167,4 +167,4 @@ def _messenger_side(node: NodeConfig, engine: ConnectorPort) -> PrefillSide | De
         )
     slots = 2 * node.engine.scheduler.max_num_seqs if engine.wants_prefill_hidden else 0
     meta = metadata_bytes(kv) if slots else 0
-    return DecodeSide(transport, engine_layout(kv), kv.pools, meta, slots, grace_s=t.fence_grace_s)
+    return DecodeSide(transport, engine_layout(kv), kv.pools, meta, slots, grace_s=t.fence_grace)

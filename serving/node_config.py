@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kv_messenger.config import TransportSpec
 from planner.placement import PlacementSpec
@@ -29,6 +29,9 @@ class RequestLimits(_Frozen):
     max_tokens: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
 
 
+FENCE_MARGIN_S = 5.0  # a fence outlasts the prefill job's deadline by at least this
+
+
 class RequestTimeouts(_Frozen):
     """Every wait on the request path, declared once (the cluster config's ``timeouts:``)."""
 
@@ -36,11 +39,12 @@ class RequestTimeouts(_Frozen):
         default=60.0, gt=0, description="reserve -> all KV landed; also the prefill job's deadline from its arrival"
     )
     prefill_request_s: float = Field(default=10.0, gt=0, description="one prefill request call")
-    fence_grace_s: float = Field(
-        default=10.0,
+    fence_grace_s: float | None = Field(
+        default=None,
         gt=0,
         description="pages of a failed / abandoned transfer come back this long after it ended if a sender never "
-        "confirmed it stopped (a dead prefill node)",
+        f"confirmed it stopped (a dead prefill node); at least kv_transfer_s + {FENCE_MARGIN_S:.0f} s (a prefill job "
+        "may write until its deadline, kv_transfer_s after it arrived); None: exactly that",
     )
     prefill_tombstone_s: float = Field(
         default=600.0, gt=0, description="a prefill node refuses an epoch the decoder aborted before it arrived"
@@ -51,6 +55,21 @@ class RequestTimeouts(_Frozen):
         description="one TP-group broadcast / gather (idle groups heartbeat every second): a stuck rank fails the "
         "group instead of wedging it",
     )
+
+    @model_validator(mode="after")
+    def _fence_outlasts_the_job(self) -> RequestTimeouts:
+        if self.fence_grace_s is not None and self.fence_grace_s < self.kv_transfer_s + FENCE_MARGIN_S:
+            raise ValueError(
+                f"timeouts.fence_grace_s ({self.fence_grace_s} s) must be at least timeouts.kv_transfer_s "
+                f"({self.kv_transfer_s} s) + {FENCE_MARGIN_S:.0f} s: a prefill job may still write until its deadline, "
+                "so a shorter grace could hand out pages a late write then lands in"
+            )
+        return self
+
+    @property
+    def fence_grace(self) -> float:
+        """The grace in effect (``fence_grace_s``, or ``kv_transfer_s`` + the margin)."""
+        return self.fence_grace_s if self.fence_grace_s is not None else self.kv_transfer_s + FENCE_MARGIN_S
 
 
 def group_name(role: Role, group: int) -> str:

@@ -42,11 +42,19 @@ ROOT = Path(__file__).resolve().parent.parent
         ({"prefil": {"count": 1}}, "prefil: Extra inputs are not permitted"),
         ({"mode": "mixed"}, "mode: Input should be 'disaggregated' or 'colocated'"),
         ({"scheduler": {"max_prefill_chunk": 1024, "max_num_batched_tokens": 512}}, "max_prefill_chunk"),
+        ({"timeouts": {"fence_grace_s": 10}}, "fence_grace_s (10.0 s) must be at least timeouts.kv_transfer_s (60.0 s)"),
+        ({"prefix_cache": {"max_cached_pages": -1}}, "prefix_cache.max_cached_pages"),
     ],
 )
 def test_bad_cluster_configs_name_the_problem(raw: dict, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         ClusterConfig.parse(raw)
+
+
+def test_the_fence_outlasts_the_prefill_job_by_default() -> None:
+    cfg = ClusterConfig.parse({"timeouts": {"kv_transfer_s": 120}})
+    assert cfg.timeouts.fence_grace == 125.0  # the job may write for kv_transfer_s after it arrived
+    assert ClusterConfig.parse({"timeouts": {"fence_grace_s": 70}}).timeouts.fence_grace == 70.0
 
 
 def test_cluster_config_files(tmp_path: Path) -> None:

@@ -171,7 +171,6 @@ def test_soak_with_cancels_and_failed_transfers_returns_to_its_starting_level(ti
             "startup_s": 240,
             "kv_transfer_s": 30,
             "shutdown_s": 20,
-            "fence_grace_s": 2,
             "prefill_tombstone_s": 5,
         },
     )
