@@ -139,3 +139,17 @@ def test_client_chosen_paths_do_not_grow_the_metrics(smollm2_dir: Path) -> None:
 
     labels = set(re.findall(r'disagg_router_requests_total\{route="([^"]*)"', asyncio.run(go())))
     assert labels == {"other"}
+
+
+def test_the_router_config_is_owner_only(smollm2_dir: Path, tmp_path: Path) -> None:
+    """It carries the API key: 0600 from its creation, also when it replaces a file of another mode."""
+    cfg = RouterConfig(
+        spec=RouterSpec(port=1, api_key="k"), model_name="smollm2", engine_dir=smollm2_dir,
+        groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")],
+    )  # fmt: skip
+    path = tmp_path / "router.yaml"
+    path.write_text("old", encoding="utf-8")
+    path.chmod(0o644)
+    cfg.dump(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert RouterConfig.load(path).spec.api_key == "k"
