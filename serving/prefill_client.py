@@ -56,14 +56,22 @@ class Reply:
     delivery: Delivery = Delivery.REFUSED  # with an error: may the group still write?
 
 
-_ANSWERED = {"StatusCode.INTERNAL", "StatusCode.INVALID_ARGUMENT"}  # the model's own error response
+REFUSAL_MARK = "prefill refused: "  # starts every error the prefill model answers itself (nothing was started)
+
+
+def refusal(message: str) -> str:
+    """The prefill model's own refusal, as it answers it (``delivery_of`` tells it from other errors)."""
+    return REFUSAL_MARK + message
 
 
 def delivery_of(exc: InferenceServerException) -> Delivery:
     """Only errors that are the node's own answer, or a connection that was never made, prove the
-    request was not taken; anything else (deadline, reset, cancelled) may have reached the model."""
+    request was not taken; anything else may have reached the model. INVALID_ARGUMENT is Triton's
+    own check of the inputs (before the model runs); INTERNAL is a refusal only when it carries the
+    model's mark: an HTTP/2 reset, a stub that died after taking the request ("Stub process ... is not
+    healthy") and other server-side failures are INTERNAL too, and those may have been delivered."""
     status, message = str(exc.status()), exc.message() or ""
-    if status in _ANSWERED:
+    if status == "StatusCode.INVALID_ARGUMENT" or (status == "StatusCode.INTERNAL" and REFUSAL_MARK in message):
         return Delivery.REFUSED
     if status == "StatusCode.NOT_FOUND" or (
         status == "StatusCode.UNAVAILABLE" and "failed to connect" in message.lower()

@@ -16,6 +16,7 @@ from functools import partial
 
 import pytest
 import torch
+from tritonclient.utils import InferenceServerException
 
 from kv_messenger.decode_side import DecodeSide
 from kv_messenger.prefill_side import PrefillSide
@@ -24,7 +25,7 @@ from kv_messenger.transport import MemoryFabric
 from serving.decode_loop import DecodeLoop
 from serving.decode_path import KVFetcher
 from serving.kv_links import DecodeLink, engine_layout, metadata_bytes
-from serving.prefill_client import PrefillGroup
+from serving.prefill_client import Delivery, PrefillGroup, delivery_of, refusal
 from serving.prefill_loop import PrefillLoop
 from serving.request_ids import RequestIds
 from serving.tp_group import GroupChannel, GroupDecodeSide
@@ -394,3 +395,24 @@ def test_a_prefill_rank_writes_only_to_decode_ranks_it_shook_hands_with(tiny_eng
         assert side.jobs() == 0 and pt.faults.stalled == 0
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "want"),
+    [
+        ("StatusCode.INTERNAL", refusal("prompt has 9999 tokens; the pool holds 4096"), Delivery.REFUSED),
+        ("StatusCode.INTERNAL", "Stub process 'prefill_0_0' is not healthy.", Delivery.UNKNOWN),  # died holding it
+        ("StatusCode.INTERNAL", "Received RST_STREAM with error code 2", Delivery.UNKNOWN),  # reset after sending
+        ("StatusCode.INVALID_ARGUMENT", "unexpected shape for input 'prefill_request'", Delivery.REFUSED),
+        ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", Delivery.UNREACHED),
+        ("StatusCode.UNAVAILABLE", "Socket closed", Delivery.UNKNOWN),
+        ("StatusCode.NOT_FOUND", "Request for unknown model: 'prefill'", Delivery.UNREACHED),
+        ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", Delivery.UNKNOWN),
+        ("StatusCode.CANCELLED", "Locally cancelled", Delivery.UNKNOWN),
+    ],
+)
+def test_grpc_failures_are_classified_by_whether_the_call_may_have_been_delivered(
+    status: str, message: str, want: Delivery
+) -> None:
+    """Only a proof that the model never took the request lifts the need for a fence."""
+    assert delivery_of(InferenceServerException(message, status=status)) is want

@@ -46,6 +46,7 @@ from serving.loop import LoopReport
 from serving.names import BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig, group_name
+from serving.prefill_client import refusal
 from serving.request_ids import RequestIds
 from serving.trace import Tracer
 from serving.wire import Arrays, Getter
@@ -137,8 +138,8 @@ class Prefill(_Role):
             if isinstance(call, list):  # a handshake: decode endpoints in, ours out
                 return _response(codecs.encode_endpoint(self.loop.handshake(call)))
             return _response(codecs.encode_load(self.loop.submit(call)))
-        except (ValueError, ValidationError) as exc:
-            return _error(str(exc))
+        except (ValueError, ValidationError) as exc:  # nothing was started: the decoder need not fence
+            return _error(refusal(str(exc)))
 
     def finalize(self) -> None:
         self.loop.stop()
