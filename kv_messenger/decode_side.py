@@ -70,6 +70,7 @@ class DecodePoll:
     failed: list[tuple[str, str]]  # (request id, error)
     releasable: list[str]  # failed / aborted requests whose pages can be reused now
     lifted: list[tuple[str, int]] = field(default_factory=list)  # abandoned epochs no write can land in any more
+    epochs: dict[str, int] = field(default_factory=dict)  # the epoch each ready / failed / releasable id was in
 
 
 class DecodeSide:
@@ -192,7 +193,9 @@ class DecodeSide:
         ready: list[str] = []
         failed: list[tuple[str, str]] = []
         releasable: list[str] = []
+        epochs: dict[str, int] = {}
         for job in list(self._jobs.values()):
+            epochs[job.request_id] = job.epoch
             if job.state is DecodeJobState.WAITING and job.got == job.expected:
                 job.state = DecodeJobState.READY
             if job.state is DecodeJobState.WAITING and job.senders <= job.closed and job.posted < job.expected:
@@ -212,7 +215,8 @@ class DecodeSide:
         lifted = [k for k, f in self._fences.items() if f.senders <= f.closed or now > f.ended_at + self.grace_s]
         for key in lifted:
             del self._fences[key]
-        return DecodePoll(ready, failed, releasable, lifted)
+        reported = {*ready, *(rid for rid, _ in failed), *releasable}
+        return DecodePoll(ready, failed, releasable, lifted, {r: e for r, e in epochs.items() if r in reported})
 
     def _end(self, job: _Expect, state: DecodeJobState, error: str) -> None:
         job.state, job.error, job.ended_at = state, f"request {job.request_id}: {error}", self.clock()

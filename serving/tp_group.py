@@ -202,6 +202,7 @@ class GroupPrefillSide:
 
 @dataclass(slots=True)
 class _Merge:
+    epoch: int  # a rank's report about another epoch of the request is stale: never this one's
     ready: set[int] = field(default_factory=set)
     settled: set[int] = field(default_factory=set)  # ranks where no write can land any more
     failed: bool = False
@@ -219,6 +220,7 @@ class GroupDecodeSide:
         self.meta_slots = local.meta_slots
         self._jobs: dict[str, _Merge] = {}
         self._fences: dict[tuple[str, int], set[int]] = {}  # abandoned epoch -> ranks where it lifted
+        self.stale_reports = 0  # rank reports about an abandoned epoch, dropped
 
     def endpoint(self) -> RankEndpoint:
         return self.local.endpoint()
@@ -244,7 +246,7 @@ class GroupDecodeSide:
         if self.size > 1:
             cmd = ExpectCmd(request_id, epoch, tuple(prefill_agents), num_pages, seed, timeout_s)
             self.channel.send(cmd)
-            self._jobs[request_id] = _Merge()
+            self._jobs[request_id] = _Merge(epoch)
         return expected
 
     def abort(self, request_id: str) -> None:
@@ -275,7 +277,9 @@ class GroupDecodeSide:
             return self.local.poll()
         self.channel.sync(bool(self._jobs))
         events = [(0, self.local.poll())]
-        events += [(r.rank, DecodePoll(r.ready, r.failed, r.releasable, r.lifted)) for r in self.channel.reports()]
+        events += [
+            (r.rank, DecodePoll(r.ready, r.failed, r.releasable, r.lifted, r.epochs)) for r in self.channel.reports()
+        ]
         ready: list[str] = []
         failed: list[tuple[str, str]] = []
         releasable: list[str] = []
@@ -289,18 +293,18 @@ class GroupDecodeSide:
                         lifted.append(key)
                         del self._fences[key]
             for rid in polled.ready:
-                job = self._jobs.get(rid)
+                job = self._current(rid, rank, polled)
                 if job is not None:
                     job.ready.add(rank)
                     job.settled.add(rank)
             for rid, error in polled.failed:
-                job = self._jobs.get(rid)
+                job = self._current(rid, rank, polled)
                 if job is not None and not job.failed and not job.aborted:
                     job.failed = True
                     failed.append((rid, f"{error} (TP rank {rank})"))
                     self.abort(rid)  # the other ranks stop waiting; pages come back once all settle
             for rid in polled.releasable:
-                job = self._jobs.get(rid)
+                job = self._current(rid, rank, polled)
                 if job is not None:
                     job.settled.add(rank)
         for rid, job in list(self._jobs.items()):
@@ -311,6 +315,15 @@ class GroupDecodeSide:
                 releasable.append(rid)
                 del self._jobs[rid]
         return DecodePoll(ready, failed, releasable, lifted)
+
+    def _current(self, rid: str, rank: int, polled: DecodePoll) -> _Merge | None:
+        """The request's merge record if this report is about its current epoch (a follower's report
+        from before an abandon can name the old epoch: its "ready" must not complete the new one)."""
+        job = self._jobs.get(rid)
+        if job is None or polled.epochs.get(rid, job.epoch) != job.epoch:
+            self.stale_reports += job is not None
+            return None
+        return job
 
 
 def run_follower(engine: FollowerPort, side: PrefillSide | DecodeSide | None) -> None:
@@ -333,7 +346,7 @@ def run_follower(engine: FollowerPort, side: PrefillSide | DecodeSide | None) ->
         elif isinstance(side, DecodeSide):
             polled = side.poll()
             report.ready, report.failed, report.releasable = polled.ready, polled.failed, polled.releasable
-            report.lifted = polled.lifted
+            report.lifted, report.epochs = polled.lifted, polled.epochs
         tp.gather_object(report)
 
     engine.run_follower(on_tick)

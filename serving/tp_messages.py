@@ -85,3 +85,4 @@ class RankReport:
     failed: list[tuple[str, str]] = field(default_factory=list)
     releasable: list[str] = field(default_factory=list)
     lifted: list[tuple[str, int]] = field(default_factory=list)
+    epochs: dict[str, int] = field(default_factory=dict)  # decode ranks: the epoch of each id reported above
