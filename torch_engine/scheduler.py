@@ -93,14 +93,15 @@ class Scheduler:
 
     def reserve(self, req: Request, num_tokens: int, hit: list[int]) -> None:
         """Share ``hit`` and allocate the rest of the pages for ``num_tokens`` of KV, which a remote
-        prefill writes (past the hit); all pinned while the request waits for its KV."""
+        prefill writes (past the hit); those pinned while the request waits for its KV (the shared
+        cached pages are never written, so never pinned: their other holders stay preemptible)."""
         self.allocator.share(hit)
         req.pages = hit + self.allocator.allocate(self.pages_for(num_tokens) - len(hit))
         req.cache_registered = len(hit)
         req.cached_tokens = len(hit) * self.page_size
         if self.cache is not None:
             self.cache.count(req, len(hit))
-        self.allocator.pin(req.pages)
+        self.allocator.pin(req.pages[len(hit) :])
         req.state = RequestState.WAITING_FOR_KV
         self.kv_wait[req.request_id] = req
 
@@ -125,7 +126,7 @@ class Scheduler:
 
     def kv_ready(self, req: Request) -> None:
         del self.kv_wait[req.request_id]
-        self.allocator.unpin(req.pages)
+        self.allocator.unpin(req.pages[req.cache_registered :])
         req.num_computed = len(req.prompt_ids) - 1
         req.state = RequestState.RUNNING
         self.running.append(req)
@@ -149,7 +150,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is RequestState.WAITING_FOR_KV:
             del self.kv_wait[req.request_id]
-            self.allocator.unpin(req.pages)  # the reservation's own pin; a transport's pins defer the free
+            # the reservation's own pin (past the shared prefix); a transport's pins defer the free
+            self.allocator.unpin(req.pages[req.cache_registered :])
         elif req.state is RequestState.PREFILLED:
             del self.prefilled[req.request_id]
         if req.pages:
