@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import prompt_of, speculating_engine, tiny_engine
 from torch_engine.config import KVLayout, PrefixCacheConfig, SpecMethod, SpeculativeConfig
+from torch_engine.connector import Accepted, Placement, Reserved
 from torch_engine.engine import LLMEngine
 from torch_engine.pages import PageAllocator
 from torch_engine.prefix_cache import KVEventKind
@@ -249,3 +250,25 @@ def test_events_report_stored_and_removed_blocks_in_order(tiny_engine_dir: Dirs)
     assert on.clear_prefix_cache() == 12 and on.cache_stats().cached_pages == 0
     last = on.cache_events(later[-1].seq)
     assert last.events[-1].kind is KVEventKind.ALL_CLEARED and last.snapshot is None
+
+
+def test_a_decoder_hit_reserves_and_pins_only_the_pages_a_transfer_writes(tiny_engine_dir: Dirs) -> None:
+    """Decode-first reuse at the port: the cached prefix is shared (``first_page``), only the rest is
+    reserved and pinned — the shared pages' other holders stay preemptible — and a failed request
+    gives every page back to its cached state."""
+    eng = tiny_engine(tiny_engine_dir("llama"))
+    prompt = prompt_of(41, 21)  # 10 full pages of [0, 40) cached after it ran
+    run(eng, [prompt])
+    follow = prompt + prompt_of(9, 22)  # KV of [0, 49): 13 pages, 10 of them cached
+    adm = eng.admit_for_kv(follow, SamplingParams(max_tokens=2), "x", lambda load, n: Placement.REMOTE)
+    assert isinstance(adm, Reserved) and adm.first_page == 10 and len(adm.pages) == 3
+    assert eng.page_stats().pinned == 3 and eng.request("x").cached_tokens == 40
+    full = eng.admit_for_kv(prompt, SamplingParams(max_tokens=2), "y", lambda load, n: Placement.REMOTE)
+    assert isinstance(full, Accepted) and full.placement is Placement.LOCAL  # a full hit moves no KV
+    eng.kv_failed("x", "the prefill group went away")
+    eng.unpin_pages(adm.pages)  # the connector's hold: no write can land any more
+    while eng.has_unfinished():
+        eng.step()
+    eng.retire("x")
+    eng.retire("y")
+    assert_settled(eng)
