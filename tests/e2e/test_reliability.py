@@ -42,7 +42,8 @@ def _metrics(port: int) -> str:
 
 
 def leftovers(launch: Launch) -> dict[str, float]:
-    """Every non-zero 'used' / 'pinned' page gauge and live-record gauge, by leader."""
+    """Every non-zero 'used' / 'pinned' page gauge and live-record gauge, by leader ('free' and its
+    part 'cached' — pages keeping a prefix until the pool needs them — are not held)."""
     assert launch.prepared is not None
     found: dict[str, float] = {}
     for ld in launch.prepared.leaders:
@@ -50,7 +51,9 @@ def leftovers(launch: Launch) -> dict[str, float]:
         assert "disagg_live_records" in text, f"{ld.slot.name} reports no records"
         for line in text.splitlines():
             m = re.match(r"(disagg_kv_pages|disagg_live_records)\{([^}]*)\} ([\d.e+-]+)$", line)
-            if m is None or (m.group(1) == "disagg_kv_pages" and 'state="free"' in m.group(2)):
+            if m is None or (
+                m.group(1) == "disagg_kv_pages" and ('state="free"' in m.group(2) or 'state="cached"' in m.group(2))
+            ):
                 continue
             if float(m.group(3)) != 0:
                 found[f"{ld.slot.name} {m.group(1)}{{{m.group(2)}}}"] = float(m.group(3))
