@@ -9,6 +9,7 @@ Closing the iterator cancels the call, so the decode node aborts the request and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 
 import grpc
@@ -58,6 +59,26 @@ def _piece(result: object, k: int | None) -> Piece:
         raise Refused(f"the decode model's response: {exc}") from None
 
 
+async def _results(
+    client: aioclient.InferenceServerClient, request: Mapping[str, object], timeout_s: float
+) -> AsyncGenerator[object, None]:
+    """The responses of one call to ``decode``: a transport failure is ``GroupUnavailable``, an error
+    the group answered ``Refused``; closing the generator cancels the call."""
+    try:
+        responses = client.stream_infer(_one(request), stream_timeout=timeout_s)
+    except InferenceServerException as exc:
+        raise GroupUnavailable(str(exc)) from None
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise Refused(str(error.message() or error))
+            yield result
+    except grpc.aio.AioRpcError as exc:
+        raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
+    finally:
+        responses.cancel()
+
+
 async def stream(
     client: aioclient.InferenceServerClient, ids: list[int], s: SamplingParams, request_id: str, timeout_s: float
 ) -> AsyncGenerator[Piece, None]:
@@ -68,23 +89,13 @@ async def stream(
         "outputs": [InferRequestedOutput(name) for name in outputs],
         "request_id": request_id,
     }
-    try:
-        responses = client.stream_infer(_one(request), stream_timeout=timeout_s)
-    except InferenceServerException as exc:
-        raise GroupUnavailable(str(exc)) from None
-    try:
-        async for result, error in responses:
-            if error is not None:
-                raise Refused(str(error.message() or error))
+    async with contextlib.aclosing(_results(client, request, timeout_s)) as results:
+        async for result in results:
             piece = _piece(result, s.logprobs)
             yield piece
             if piece.finish_reason:
                 return
-        raise GroupUnavailable("the stream ended before the last token")
-    except grpc.aio.AioRpcError as exc:
-        raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
-    finally:
-        responses.cancel()
+    raise GroupUnavailable("the stream ended before the last token")
 
 
 async def events(client: aioclient.InferenceServerClient, query: KVEventsQuery, timeout_s: float) -> KVEventBatch:
@@ -94,20 +105,10 @@ async def events(client: aioclient.InferenceServerClient, query: KVEventsQuery, 
         "inputs": client_inputs(DECODE, encode_events_query(query)),
         "outputs": [InferRequestedOutput(Tensor.KV_EVENTS.value)],
     }
-    try:
-        responses = client.stream_infer(_one(request), stream_timeout=timeout_s)
-    except InferenceServerException as exc:
-        raise GroupUnavailable(str(exc)) from None
-    try:
-        async for result, error in responses:
-            if error is not None:
-                raise Refused(str(error.message() or error))
+    async with contextlib.aclosing(_results(client, request, timeout_s)) as results:
+        async for result in results:
             try:
-                return parse_events(result.as_numpy)
+                return parse_events(result.as_numpy)  # type: ignore[attr-defined]
             except InvalidRequestError as exc:
                 raise Refused(f"the decode model's events: {exc}") from None
-        raise GroupUnavailable("the events call ended without a response")
-    except grpc.aio.AioRpcError as exc:
-        raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
-    finally:
-        responses.cancel()
+    raise GroupUnavailable("the events call ended without a response")

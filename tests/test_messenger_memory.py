@@ -201,24 +201,24 @@ def test_the_deadline_abort_takes_the_lock_the_engine_thread_drains_under() -> N
     clock = Clock()
     fabric = MemoryFabric()
     lay = spec(sc.kind, sc.layout, sc.page_size, 1, 0)
-    prefill = PrefillSide(fabric.agent("p0"), lay, make_pools(lay, sc.logical()), FakeProgress(LAYERS), clock=clock)
+    side = PrefillSide(fabric.agent("p0"), lay, make_pools(lay, sc.logical()), FakeProgress(LAYERS), clock=clock)
     decode = DecodeSide(fabric.agent("d0"), lay, make_pools(lay, None), META_BYTES, 4, clock=clock)
-    prefill.connect([decode.endpoint()])
-    decode.connect([prefill.endpoint()])
+    side.connect([decode.endpoint()])
+    decode.connect([side.endpoint()])
     req = _request(sc).model_copy(update={"ttl_s": 1.0})
-    prefill.submit(req)
+    side.submit(req)
     clock.now = 5.0  # past the job's deadline
-    job = prefill._jobs["r1"]
-    poller = threading.Thread(target=prefill._advance, args=(job,))  # the messenger thread's pass over it
-    with prefill._lock:  # the engine thread inside schedule()
+    job = side._jobs["r1"]  # white box: the messenger's own locking discipline
+    poller = threading.Thread(target=side._advance, args=(job,))  # the messenger thread's pass over it
+    with side._lock:  # the engine thread inside schedule()
         poller.start()
         poller.join(0.3)
         assert poller.is_alive()  # the abort waits for the lock
         assert job.state is PrefillJobState.STREAMING
     poller.join(5)
     assert not poller.is_alive()
-    prefill.schedule("r1", 1, sc.prompt_len - 1, True, list(range(len(sc.pages()[1]))))  # the last chunk, late
-    assert [o.state for o in prefill.completed()] == [PrefillJobState.ABORTED]
+    side.schedule("r1", 1, sc.prompt_len - 1, True, list(range(len(sc.pages()[1]))))  # the last chunk, late
+    assert [o.state for o in side.completed()] == [PrefillJobState.ABORTED]
 
 
 def test_a_bad_peer_costs_only_its_own_messages() -> None:

@@ -290,65 +290,85 @@ def _idle(to: Targets, prompt: str, tag: str) -> tuple[float, float]:
     return c.ttft, statistics.median(c.itls)
 
 
+@dataclass(slots=True)
+class _Run:
+    """What the cache-off pair measures first and the cache-on pair reuses: the SLO and the rate."""
+
+    slo: tuple[float, float] | None = None
+    rate: float = 0.0
+    points: list[Point] = field(default_factory=list)
+
+
+def _pair(a: argparse.Namespace, engine_dir: Path, out: Path, cache: str) -> dict[str, Launch]:
+    placement = PlacementSpec(mode=PrefillPlacement.REMOTE)
+    return {
+        m: Launch(
+            deployment(m, engine_dir, out / cache, a.chunk, a.cores, 8, a.run_dtype, Frontend.ROUTER, placement,
+                       prefix_cache=cache == "on")
+        )
+        for m in MODES
+    }  # fmt: skip
+
+
+def _setting(
+    a: argparse.Namespace, run: _Run, launches: dict[str, Launch], cache: str,
+    work: tuple[list[Conversation], list[tuple[str, int]]],
+) -> None:  # fmt: skip
+    """One cache setting: both deployments up, the idle request (the SLO, from the first setting), the workloads."""
+    convs, shared = work
+    for launch in launches.values():
+        launch.prepare(progress=False)
+        launch.start()
+    for launch in launches.values():
+        launch.wait_ready()
+    to = {m: load_targets(launches[m], Frontend.ROUTER) for m in MODES}
+    idle = {m: _idle(to[m], shared[0][0], f"idle-{cache}-{m}") for m in MODES}
+    if run.slo is None:
+        ttft, step = idle["colocated"]
+        run.slo = (a.slo_ttft * ttft, a.slo_tpot * step)
+        run.rate = a.overload * 2 / (ttft + statistics.mean(m for _, m in shared) * step)  # two replicas
+        print(f"[bench] idle cold TTFT {ttft:.2f} s, step {1000 * step:.0f} ms; SLO TTFT <= {run.slo[0]:.2f} s, "
+              f"TPOT <= {1000 * run.slo[1]:.0f} ms; shared-prefix at {run.rate:.2f} req/s", flush=True)  # fmt: skip
+    for wl in a.workloads:
+        for m in MODES:
+            tag = f"{wl}-{m}-{cache}"
+            t0 = time.monotonic()
+            if wl == "multi-turn":
+                samples = asyncio.run(run_conversations(to[m], convs, tag, a.max_seconds))
+            else:
+                samples = asyncio.run(run_shared(to[m], shared, run.rate, tag, a.max_seconds))
+            wall = time.monotonic() - t0
+            time.sleep(1.0)  # the last trace lines land
+            p = summarize(wl, m, cache, samples, wall, node_view(launches[m].run_dir, tag), run.slo)
+            run.points.append(p)
+            print(line(p), flush=True)
+
+
 def run(a: argparse.Namespace) -> int:
     opts = BuildOptions(role=Role.COLOCATED, tp_size=1, dtype=DType.FLOAT32, page_size=16)
     engine_dir = a.engine or build_engine(a.model, default_engine_dir(a.cache_dir, a.model, opts), opts)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(engine_dir)
-    convs = conversations(tok, a.conversations, a.conversation_rate, a.think_s, a.seed)
-    shared = shared_prefix(tok, a.users, a.system_prompts, a.seed)
-    placement = PlacementSpec(mode=PrefillPlacement.REMOTE)
-    points: list[Point] = []
-    slo: tuple[float, float] | None = None
-    rate = 0.0
+    work = (
+        conversations(tok, a.conversations, a.conversation_rate, a.think_s, a.seed),
+        shared_prefix(tok, a.users, a.system_prompts, a.seed),
+    )
+    state = _Run()
     for cache in CACHE:  # off first: its idle figures set the SLO and the shared-prefix rate
-        launches = {
-            m: Launch(
-                deployment(m, engine_dir, out / cache, a.chunk, a.cores, 8, a.run_dtype, Frontend.ROUTER, placement,
-                           prefix_cache=cache == "on")
-            )
-            for m in MODES
-        }  # fmt: skip
+        launches = _pair(a, engine_dir, out, cache)
         try:
-            for launch in launches.values():
-                launch.prepare(progress=False)
-                launch.start()
-            for launch in launches.values():
-                launch.wait_ready()
-            to = {m: load_targets(launches[m], Frontend.ROUTER) for m in MODES}
-            idle = {m: _idle(to[m], shared[0][0], f"idle-{cache}-{m}") for m in MODES}
-            if slo is None:
-                ttft, step = idle["colocated"]
-                slo = (a.slo_ttft * ttft, a.slo_tpot * step)
-                mean_out = statistics.mean(m for _, m in shared)
-                rate = a.overload * 2 / (ttft + mean_out * step)  # two replicas, one request each at a time
-                print(f"[bench] idle cold TTFT {ttft:.2f} s, step {1000 * step:.0f} ms; SLO TTFT <= {slo[0]:.2f} s, "
-                      f"TPOT <= {1000 * slo[1]:.0f} ms; shared-prefix at {rate:.2f} req/s", flush=True)  # fmt: skip
-            for wl in a.workloads:
-                for m in MODES:
-                    tag = f"{wl}-{m}-{cache}"
-                    t0 = time.monotonic()
-                    if wl == "multi-turn":
-                        samples = asyncio.run(run_conversations(to[m], convs, tag, a.max_seconds))
-                    else:
-                        samples = asyncio.run(run_shared(to[m], shared, rate, tag, a.max_seconds))
-                    wall = time.monotonic() - t0
-                    time.sleep(1.0)  # the last trace lines land
-                    p = summarize(wl, m, cache, samples, wall, node_view(launches[m].run_dir, tag), slo)
-                    points.append(p)
-                    print(line(p), flush=True)
+            _setting(a, state, launches, cache, work)
         finally:
             for launch in launches.values():
                 launch.stop()
-    goals = ratios(points)
-    machine: dict[str, object] = {**cpu_info().as_dict(), "cores": os.cpu_count()}
+    goals = ratios(state.points)
     report = {
         "command": "disagg bench prefix " + " ".join(a.argv),
-        "machine": machine,
-        "slo": {"ttft_s": slo[0], "tpot_s": slo[1]} if slo else None,
-        "shared_prefix_rate": rate,
-        "points": [{k: v for k, v in asdict(p).items() if k != "kv_bytes"} for p in points],
+        "machine": {**cpu_info().as_dict(), "cores": os.cpu_count()},
+        "slo": {"ttft_s": state.slo[0], "tpot_s": state.slo[1]} if state.slo else None,
+        "shared_prefix_rate": state.rate,
+        "points": [{k: v for k, v in asdict(p).items() if k != "kv_bytes"} for p in state.points],
         "ratios": goals,
     }
     (out / "bench_prefix.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
