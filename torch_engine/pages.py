@@ -71,8 +71,8 @@ class PageAllocator:
         return pages
 
     def revivals(self, pages: Iterable[int]) -> int:
-        """How many of ``pages`` (cached) nobody holds: sharing them takes that many off ``free``."""
-        return sum(1 for p in pages if self._refs[p] == 0)
+        """How many of ``pages`` (cached) sit unheld in the LRU: sharing them takes that many off ``free``."""
+        return sum(1 for p in pages if p in self._lru)
 
     def share(self, pages: Iterable[int]) -> None:
         """One more holder of each cached (or held) page: a prefix hit."""
@@ -82,6 +82,9 @@ class PageAllocator:
                 self._refs[p] += 1
             elif p in self._lru:
                 del self._lru[p]
+                self._refs[p] = 1
+            elif self._pending[p] and self._cached[p]:  # unheld but still pinned by a transfer: held again
+                self._pending[p] = False
                 self._refs[p] = 1
             else:
                 raise ValueError(f"cannot share page {p}: it is neither held nor cached")
