@@ -103,15 +103,18 @@ class Generator:
             raise ApiError(
                 400, f"max_tokens must be at most {self.cfg.max_tokens_limit}, got {limit}", param="max_tokens"
             )
+        guided = req.guided
         params = SamplingParams(
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logprobs=req.num_top_logprobs, cache_salt=req.cache_salt,
+            logprobs=req.num_top_logprobs, cache_salt=req.cache_salt, guide=guided[1] if guided else None,
         )  # fmt: skip
         try:
-            check_sampling(params)  # every value fits the type the wire carries it in
+            check_sampling(params)  # every value fits the type the wire carries it in; the guide compiles
         except InvalidRequestError as exc:
+            if guided and exc.param == "guide":  # named by the client's own field
+                raise ApiError(400, f"{guided[0]}: {exc}", param=guided[0]) from None
             raise ApiError(400, str(exc), param=exc.param) from None
         return params
 

@@ -114,6 +114,7 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_route)
         app.on_startup.append(self._start)
@@ -176,6 +177,12 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         return _json(ModelList(data=[ModelCard(id=self.cfg.model_name, created=self.created)]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.cfg.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found", param="model")
+        return _json(ModelCard(id=self.cfg.model_name, created=self.created))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, ChatCompletionRequest)
@@ -270,14 +277,19 @@ class Router:
                     await send(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
                 elif req.echo:  # type: ignore[union-attr]
                     await send(_completion_chunk(rid, created, req.model, self._prompt_text(req), None))  # type: ignore[arg-type]
+                continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
                 async for d in ds:
                     reason = _reason(outcome) if outcome.finish_reason else None
+                    usage = outcome.usage if continuous else None
+                    chunk: ChatCompletionChunk | Completion
                     if chat:
                         logprobs = ChatLogprobs(content=d.logprobs) if d.logprobs else None
-                        await send(_chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs))
+                        chunk = _chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs)
                     else:
                         lps = _completion_logprobs(req, d.logprobs)  # type: ignore[arg-type]
-                        await send(_completion_chunk(rid, created, req.model, d.text, reason, lps))
+                        chunk = _completion_chunk(rid, created, req.model, d.text, reason, lps)
+                    chunk.usage = usage
+                    await send(chunk)
             except ApiError as e:
                 if response is None:
                     raise
@@ -339,9 +351,12 @@ def serve(cfg: RouterConfig) -> None:
 
 
 ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"))
+MODEL_ROUTE = "/v1/models/{model}"
 
 
 def _route(request: web.Request) -> str:
     """The metrics label of a request's route: one of ours, or "other" (a client-chosen path must not
     make a new series: the label set stays bounded)."""
+    if request.path.startswith("/v1/models/") and request.path.count("/") == 3:
+        return MODEL_ROUTE
     return request.path if request.path in ROUTES else "other"

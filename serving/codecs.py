@@ -26,6 +26,7 @@ from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from serving.kv_events import KVEventBatch, KVEventsQuery
 from serving.names import Model, Tensor
 from serving.wire import SAMPLING, SIGNATURES, Arrays, Getter, Reader, WireType, encode
+from torch_engine.guided import Guide, GuideError, GuideKind
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
 T = Tensor
@@ -49,6 +50,10 @@ def sampling_values(params: SamplingParams) -> dict[Tensor, object]:
     if params.logprobs is not None:
         values[T.RETURN_LOG_PROBS] = True
         values[T.TOP_LOGPROBS] = params.logprobs
+    if params.guide is not None:
+        values[T.GUIDE_TYPE] = params.guide.kind.wire
+        if params.guide.text:
+            values[T.GUIDE] = params.guide.text
     return values
 
 
@@ -89,9 +94,26 @@ def parse_sampling(r: Reader, max_tokens_limit: int) -> SamplingParams:
         **kw,  # type: ignore[arg-type]
         stop=tuple(s for s in r.texts(T.STOP_WORDS) if s),
         stop_token_ids=(end_id,) if end_id is not None else (),
+        guide=_guide(r),
     )
     params.validate()
     return params
+
+
+def _guide(r: Reader) -> Guide | None:
+    """TensorRT-LLM's two guided-decoding inputs as a ``Guide`` (compiled by ``validate``)."""
+    kind, text = r.text(T.GUIDE_TYPE), r.text(T.GUIDE)
+    if kind is None:
+        if text is not None:
+            raise InvalidRequestError(f"{T.GUIDE} needs {T.GUIDE_TYPE}", T.GUIDE_TYPE)
+        return None
+    try:
+        parsed = GuideKind.parse(kind)
+    except GuideError as exc:
+        raise InvalidRequestError(str(exc), T.GUIDE_TYPE) from None
+    if parsed is not GuideKind.JSON and text is None:
+        raise InvalidRequestError(f"{T.GUIDE_TYPE} {kind!r} needs {T.GUIDE}", T.GUIDE)
+    return Guide(parsed, text or "")
 
 
 def _number(r: Reader, tensor: Tensor) -> int | float | None:

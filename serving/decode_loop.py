@@ -95,6 +95,17 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
     def submit(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, callback: Callback, chat: bool = False
     ) -> None:
+        """Queue a request (any thread). Its guide is compiled here, on the caller's thread: the loop
+        only copies it (a big schema can take 100 ms or more to compile)."""
+        if params.guide is not None:
+            try:
+                self.engine.prepare_guide(params.guide)
+            except InvalidRequestError as exc:
+                error = RequestOutput(
+                    request_id=request_id, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)
+                )
+                self._call(callback, error)
+                return
         self._put(_Submit(request_id, prompt, params, chat, callback))
 
     def cancel(self, request_id: str) -> None:

@@ -53,6 +53,8 @@ class Tensor(enum.StrEnum):
     IGNORE_EOS = "ignore_eos"
     SPECULATE = "speculate"  # ours: per-request speculative decoding on / off (unset: the deployment's default)
     CACHE_SALT = "cache_salt"  # ours (vLLM's name): only requests with the same salt share cached KV pages
+    GUIDE_TYPE = "guided_decoding_guide_type"  # TensorRT-LLM's: json, json_schema, regex, ebnf_grammar (+ lark_grammar)
+    GUIDE = "guided_decoding_guide"  # TensorRT-LLM's: the schema / regex / grammar text
     REPETITION_PENALTY = "repetition_penalty"
     PRESENCE_PENALTY = "presence_penalty"
     FREQUENCY_PENALTY = "frequency_penalty"

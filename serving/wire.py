@@ -78,9 +78,10 @@ class Signature:
 class SamplingInput:
     """One sampling input of the generating models: its port, and the ``SamplingParams`` field it
     carries as is (None: the codec maps it: ``stream``, ``stop_words`` -> ``stop``, ``end_id`` ->
-    ``stop_token_ids``, ``return_log_probs`` + ``top_logprobs`` -> ``logprobs``, and the two that
-    must be 1). A new scalar sampling input is one line here (plus its ``SamplingParams`` field and
-    the model configs, which a test holds to this table)."""
+    ``stop_token_ids``, ``return_log_probs`` + ``top_logprobs`` -> ``logprobs``,
+    ``guided_decoding_guide_type`` + ``guided_decoding_guide`` -> ``guide``, and the two that must be
+    1). A new scalar sampling input is one line here (plus its ``SamplingParams`` field and the model
+    configs, which a test holds to this table)."""
 
     port: Port
     param: str | None = None
@@ -101,6 +102,8 @@ SAMPLING: tuple[SamplingInput, ...] = (  # TensorRT-LLM's names
     SamplingInput(Port(T.IGNORE_EOS, _B), "ignore_eos"),
     SamplingInput(Port(T.SPECULATE, _B), "speculate"),
     SamplingInput(Port(T.CACHE_SALT, WireType.BYTES), "cache_salt"),
+    SamplingInput(Port(T.GUIDE_TYPE, WireType.BYTES)),
+    SamplingInput(Port(T.GUIDE, WireType.BYTES)),
     SamplingInput(Port(T.REPETITION_PENALTY, _F), "repetition_penalty"),
     SamplingInput(Port(T.PRESENCE_PENALTY, _F), "presence_penalty"),
     SamplingInput(Port(T.FREQUENCY_PENALTY, _F), "frequency_penalty"),

@@ -220,8 +220,10 @@ def tiny_engine(
     tp: TPGroup | None = None,
     speculative: SpeculativeConfig | None = None,
     prefix_cache: bool | int = True,
+    tokenizer: bool = False,
 ) -> LLMEngine:
-    """``prefix_cache``: on, off, or on with at most that many unheld cached pages."""
+    """``prefix_cache``: on, off, or on with at most that many unheld cached pages; ``tokenizer``: load
+    the engine directory's tokenizer (text prompts, stop strings, structured output)."""
     cache = PrefixCacheConfig(
         enabled=prefix_cache is not False,
         max_cached_pages=None if isinstance(prefix_cache, bool) else prefix_cache,
@@ -236,7 +238,7 @@ def tiny_engine(
         speculative=speculative or SpeculativeConfig(),
         prefix_cache=cache,
     )
-    return LLMEngine(cfg, tp=tp, load_tokenizer=False)
+    return LLMEngine(cfg, tp=tp, load_tokenizer=tokenizer)
 
 
 def build_tiny(folder: Path, out: Path, tp: int = 1, page_size: int = 4) -> Path:

@@ -14,6 +14,7 @@ from serving import codecs
 from serving.codecs import DecodeCall, DecodePiece
 from serving.names import Model, Tensor
 from serving.wire import SIGNATURES, Arrays, Getter, Reader, WireType
+from torch_engine.guided import Guide, GuideKind
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
 
@@ -44,7 +45,13 @@ params = st.builds(
     frequency_penalty=st.floats(-2, 2),
     logprobs=st.none() | st.integers(0, 20),
     speculate=st.none() | st.booleans(),
-)
+    guide=st.sampled_from([
+        None, Guide(GuideKind.JSON),
+        Guide(GuideKind.JSON_SCHEMA, '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+        Guide(GuideKind.REGEX, "[0-9]{3}-é"), Guide(GuideKind.EBNF, 'root ::= "yes" | "no"'),
+        Guide(GuideKind.LARK, 'start: "a"+'),
+    ]),
+)  # fmt: skip
 
 
 def same(a: SamplingParams, b: SamplingParams) -> bool:
@@ -81,6 +88,28 @@ def test_echo_stop_and_defaults() -> None:
     assert codecs.parse_decode(getter(arrays), 64).echo
     assert set(arrays) == {Tensor.INPUT_IDS, Tensor.MAX_TOKENS, Tensor.STREAM, Tensor.EXCLUDE_INPUT_IN_OUTPUT}
     assert codecs.is_stop(getter(codecs.encode_stop())) and not codecs.is_stop(getter(arrays))
+
+
+@pytest.mark.parametrize(
+    ("arrays", "match"),
+    [
+        ({Tensor.GUIDE_TYPE: "xml"}, "guided_decoding_guide_type 'xml' is not supported"),
+        ({Tensor.GUIDE: "[0-9]"}, "guided_decoding_guide needs guided_decoding_guide_type"),
+        ({Tensor.GUIDE_TYPE: "regex"}, "'regex' needs guided_decoding_guide"),
+        ({Tensor.GUIDE_TYPE: "regex", Tensor.GUIDE: "(ab"}, "(?s)invalid regex guide: .*unclosed group"),
+        ({Tensor.GUIDE_TYPE: "json_schema", Tensor.GUIDE: "{nope"}, "invalid json_schema guide: Expecting property"),
+        ({Tensor.GUIDE_TYPE: "json_schema", Tensor.GUIDE: '{"type": "frob"}'}, "(?s)invalid json_schema guide: .*frob"),
+        ({Tensor.GUIDE_TYPE: "json_schema", Tensor.GUIDE: "[1]"}, "a JSON schema here is an object, not list"),
+        ({Tensor.GUIDE_TYPE: "ebnf_grammar", Tensor.GUIDE: "root ::= foo"}, "invalid ebnf_grammar guide"),
+        ({Tensor.GUIDE_TYPE: "lark_grammar", Tensor.GUIDE: "start: foo"}, 'unknown name: "foo"'),
+        ({Tensor.GUIDE_TYPE: "regex", Tensor.GUIDE: "a" * 100_001}, "at most 100000 characters"),
+    ],
+)
+def test_a_bad_guide_is_refused_by_name(arrays: dict[Tensor, str], match: str) -> None:
+    base = codecs.encode_decode(DecodeCall([1, 2], SamplingParams(), False))
+    extra = codecs.encode(codecs.DECODE, dict(arrays))
+    with pytest.raises(InvalidRequestError, match=match):
+        codecs.parse_decode(getter(base | extra), 64)
 
 
 @pytest.mark.parametrize("k", [None, 0, 3])
@@ -149,11 +178,11 @@ def test_every_wire_type_has_a_numpy_type_and_a_config_name() -> None:
 
 
 def test_every_sampling_field_travels_on_the_wire() -> None:
-    """Each ``SamplingParams`` field is carried by a declared sampling input (or by the three the
+    """Each ``SamplingParams`` field is carried by a declared sampling input (or by the four the
     codec maps), so a new field cannot be dropped on the way from the router to the engine."""
     from dataclasses import fields
 
     from serving.wire import SAMPLING
 
-    carried = {s.param for s in SAMPLING if s.param is not None} | {"stop", "stop_token_ids", "logprobs"}
+    carried = {s.param for s in SAMPLING if s.param is not None} | {"stop", "stop_token_ids", "logprobs", "guide"}
     assert {f.name for f in fields(SamplingParams)} == carried

@@ -87,6 +87,19 @@ def serves(client: Client) -> None:
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2, text
 
 
+def nested(n: int) -> dict[str, Any]:
+    """A JSON schema of objects nested ``n`` deep (twice as deep in JSON)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def nested_text(n: int) -> bytes:
+    """``nested(n)`` as JSON text (deeper than ``json.dumps`` can write)."""
+    return b'{"type": "object", "properties": {"a": ' * n + b'{"type": "string"}' + b"}}" * n
+
+
 def deep(n: int) -> bytes:
     return b'{"model": "smollm2", "prompt": ' + b"[" * n + b"]" * n + b"}"
 
@@ -126,6 +139,22 @@ CORPUS: list[tuple[str, bytes, int]] = [  # (path, body, the status it must get)
     ("/v1/completions", b"", 400),
     ("/v1/completions", json.dumps([1, 2, 3]).encode(), 400),
     ("/v1/completions", json.dumps({"model": "smollm2", "prompt": "\x1d"}).encode(), 400),  # no tokens (the fuzzer's)
+    # guides: the router checks them (cheaply, without the tokenizer); the decode node compiles them off its loop
+    ("/v1/completions", json.dumps({"model": "smollm2", "prompt": "x", "guided_regex": "a{1000}{1000}"}).encode(), 200),
+    ("/v1/completions", json.dumps({"model": "smollm2", "prompt": "x", "guided_regex": "a" * 100_001}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": "smollm2", "prompt": "x", "guided_regex": "(" * 3000}).encode(), 400),
+    (
+        "/v1/completions",
+        json.dumps({"model": "smollm2", "prompt": "x", "guided_json": {"$ref": "#/nope"}}).encode(),
+        400,
+    ),
+    ("/v1/completions", json.dumps({"model": "smollm2", "prompt": "x", "guided_json": nested(300)}).encode(), 400),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "x", "guided_json": ' + nested_text(480) + b"}", 400),
+    (
+        "/v1/completions",
+        json.dumps({"model": "smollm2", "prompt": "x", "ebnf": "root ::= " + "(" * 3000}).encode(),
+        400,
+    ),
 ]
 
 
@@ -160,7 +189,7 @@ PLAUSIBLE = {  # values a careful or careless client sends; each field gets one 
     "seed": st.integers(0, 2**63 - 1),
     "stop": stops | st.lists(stops, max_size=4),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}),
     "logprobs": st.booleans() | st.integers(0, 5),
     "top_logprobs": st.integers(0, 20),
     "n": st.just(1),
@@ -170,7 +199,16 @@ PLAUSIBLE = {  # values a careful or careless client sends; each field gets one 
     "ignore_eos": st.booleans(),
     "echo": st.booleans(),
     "user": st.text(max_size=10),
-}
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+    | st.fixed_dictionaries({"type": st.just("json_schema"),
+                             "json_schema": st.fixed_dictionaries({"name": st.text(max_size=8), "schema": anything})}),
+    "guided_regex": st.text(max_size=12),
+    "guided_choice": st.lists(st.text(max_size=6), max_size=3),
+    "guided_json": anything,
+    "guided_grammar": st.text(max_size=20) | st.just('root ::= "a" | "b"'),
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar"]), anything,
+                                          max_size=2),
+}  # fmt: skip
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                  "content": st.text(max_size=30)})  # fmt: skip
 prompts = st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 49151), min_size=1, max_size=6)

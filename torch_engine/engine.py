@@ -32,6 +32,7 @@ from torch_engine.connector import (
     TickHook,
 )
 from torch_engine.decode_graphs import DecodeGraphs
+from torch_engine.guided import Guide
 from torch_engine.intake import Intake
 from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PagedKVCache
@@ -313,11 +314,8 @@ class LLMEngine:
 
     def kv_export(self) -> KVExport:
         """The messenger's view of this rank's KV: pools, spec, progress counter, TP rank."""
-        mc = self._manifest.model
-        return KVExport(
-            self._kv.pools, self._kv.spec, self._progress, self._tp.rank, self._tp.size, mc.num_kv_heads,
-            mc.hidden_size,
-        )  # fmt: skip
+        mc, kv, tp = self._manifest.model, self._kv, self._tp
+        return KVExport(kv.pools, kv.spec, self._progress, tp.rank, tp.size, mc.num_kv_heads, mc.hidden_size)
 
     def next_forward(self) -> int:
         """The layer counter value the next forward pass reaches (``progress.completed(layer)`` of
@@ -404,17 +402,19 @@ class LLMEngine:
 
     # -- internals -----------------------------------------------------------------------
     def _new_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None, kind: RequestKind,
-        chat: bool,
-    ) -> Request:  # fmt: skip
-        return self._intake.new(prompt, params, request_id, kind, chat, self._requests)
+        self, prompt: str | Sequence[int], params: SamplingParams | None, rid: str | None, kind: RequestKind, chat: bool
+    ) -> Request:
+        return self._intake.new(prompt, params, rid, kind, chat, self._requests)
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         """Raise ``InvalidRequestError`` naming the problem if this engine cannot take the prompt."""
         self._intake.check(ids)
 
+    def prepare_guide(self, guide: Guide) -> None:
+        """Compile a guide for this tokenizer now, from any thread (the loop then only copies it)."""
+        self._intake.prepare_guide(guide)
+
     def _get(self, request_id: str) -> Request:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}") from None
+        if (req := self._requests.get(request_id)) is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return req

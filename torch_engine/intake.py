@@ -7,6 +7,7 @@ import itertools
 import random
 from collections.abc import Container, Sequence
 
+from torch_engine.guided import GrammarTable, Guide, GuideError
 from torch_engine.request import Request, RequestKind
 from torch_engine.sampling import InvalidRequestError, SamplerState, SamplingParams
 from torch_engine.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ class Intake:
         self._num_pages = num_pages
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)  # seeds of requests that bring none
+        self._grammars = GrammarTable(tokenizer.hf, vocab_size) if tokenizer is not None else None
 
     def check(self, ids: Sequence[int]) -> None:
         """Raise ``InvalidRequestError`` naming the problem if this engine cannot take the prompt."""
@@ -38,6 +40,15 @@ class Intake:
         need = -(-(len(ids) + 1) // self._page_size)
         if need > self._num_pages:
             raise InvalidRequestError(f"prompt needs {need} KV pages; the pool has {self._num_pages}")
+
+    def prepare_guide(self, guide: Guide) -> None:
+        """Compile ``guide`` for this tokenizer now (any thread); ``InvalidRequestError`` naming the problem."""
+        if self._grammars is None:
+            raise InvalidRequestError("structured output needs a tokenizer; this engine has none", "guide")
+        try:
+            self._grammars.prepare(guide)
+        except GuideError as exc:
+            raise InvalidRequestError(str(exc), "guide") from None
 
     def new(
         self,
@@ -63,5 +74,12 @@ class Intake:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in taken:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        grammar = None
+        if params.guide is not None and kind is not RequestKind.PREFILL_ONLY:  # a prefill-only request never samples
+            self.prepare_guide(params.guide)
+            assert self._grammars is not None
+            grammar = self._grammars.matcher(params.guide)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Request(request_id=rid, prompt_ids=ids, params=params, kind=kind, sampler=SamplerState.seeded(seed))
+        return Request(
+            request_id=rid, prompt_ids=ids, params=params, kind=kind, sampler=SamplerState.seeded(seed), grammar=grammar
+        )

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from torch_engine.guided import GuideError, apply_masks
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import InvalidRequestError, TokenLogprobs, apply_penalties, logprobs_of, sample
 from torch_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -32,7 +33,14 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
             first[id(c)], n_rows = n_rows, n_rows + 1
             rows.append(c)
     logits = logits_of(hidden) if first else hidden
-    picks = {id(c): spec.verify(c, logits[first[id(c)] : first[id(c)] + c.length]) for c in sched.chunks if c.draft}
+    picks: dict[int, Picked] = {}
+    for c in sched.chunks:
+        if c.draft:
+            mine = logits[first[id(c)] : first[id(c)] + c.length]
+            if c.request.grammar is not None:
+                mine = mine.clone()  # the step's logits are an inference tensor: mask a copy
+            error = _constrain(mine, list(range(c.length)), c)
+            picks[id(c)] = error or spec.verify(c, mine)
     sampled = [c for c in rows if c.samples]
     reqs = [c.request for c in sampled]
     params = [r.params for r in reqs]
@@ -40,6 +48,9 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
     if any(p.penalized for p in params):
         apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
     failed: dict[int, str] = {}
+    for j, c in enumerate(sampled):  # the grammar's mask last: no penalty can bring a masked token back
+        if c.request.grammar is not None and (error := _constrain(chosen, [j], c)) is not None:
+            failed[j] = error.error or ""
     tokens = sample(chosen, params, [r.sampler for r in reqs], failed)
     wanted = [j for j, p in enumerate(params) if p.logprobs is not None and j not in failed]
     logprobs: dict[int, TokenLogprobs] = {}
@@ -54,6 +65,18 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
             i = first[id(c)]
             c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
     return picks
+
+
+def _constrain(logits: torch.Tensor, rows: list[int], c: ScheduledChunk) -> Picked | None:
+    """Mask ``logits`` rows (a chunk's next position, then one per draft token) to what the chunk's
+    grammar allows; a grammar in an error state fails that request alone (the returned ``Picked``)."""
+    if c.request.grammar is None:
+        return None
+    try:
+        apply_masks(logits, rows, c.request.grammar.masks(list(c.draft)))
+    except GuideError as exc:
+        return Picked([], [], str(exc))
+    return None
 
 
 class Outputs:
@@ -145,6 +168,13 @@ class Outputs:
         req.output_ids.append(token)
         p = req.params
         reason: FinishReason | None = None
+        if req.grammar is not None:
+            if not req.grammar.accept(token):  # its mask allowed only what the grammar accepts: a bug if reached
+                error = f"token {token} does not follow the guide: {req.grammar.error}"
+                self.finish(req, RequestState.FAILED, FinishReason.ERROR, error)
+                return self._failure(req, error)
+            if req.grammar.done:
+                reason = FinishReason.STOP
         delta = ""
         detok = self._detok.get(req.request_id)
         if detok is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch_engine.guided import GrammarState
 from torch_engine.sampling import SamplerState, SamplingParams, TokenLogprobs
 from torch_engine.speculative import SpecStats
 
@@ -76,6 +77,7 @@ class Request:
     cache_keys: list[bytes] = field(default_factory=list)  # content keys of its first pages
     cache_registered: int = 0  # its first pages that are cached (filed by it, or hits)
     mtp_kv_gap: bool = False  # the MTP draft pass skipped some of its positions
+    grammar: GrammarState | None = None  # its guide's matcher, where it samples (``guided.py``)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch_engine.guided import Guide, GuideError, check_guide
+
 MIN_TEMPERATURE = 1e-5  # below it a request samples greedily
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -43,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the top k alternatives
     speculate: bool | None = None  # None: the engine's default (``SpeculativeConfig.default``)
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share KV pages
+    guide: Guide | None = None  # constrained decoding: the output follows this schema / grammar (``guided.py``)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -73,6 +76,11 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.guide is not None:
+            try:
+                check_guide(self.guide)
+            except GuideError as exc:
+                raise InvalidRequestError(str(exc), "guide") from None
 
     @property
     def greedy(self) -> bool:

@@ -78,9 +78,12 @@ class Speculator:
         if room <= 0:
             return []
         if self._drafter is not None:
-            return self._drafter.propose(req.all_tokens, room)
-        # MTP: the draft the last step's MTP pass made for this very position (one token)
-        return [req.mtp_draft] if req.mtp_draft is not None and req.mtp_draft_at == req.num_tokens else []
+            draft = self._drafter.propose(req.all_tokens, room)
+        else:  # MTP: the draft the last step's MTP pass made for this very position (one token)
+            draft = [req.mtp_draft] if req.mtp_draft is not None and req.mtp_draft_at == req.num_tokens else []
+        if req.grammar is not None:  # never verify what the grammar forbids
+            draft = draft[: req.grammar.valid_prefix(draft)]
+        return draft
 
     def verify(self, c: ScheduledChunk, logits: torch.Tensor) -> Picked:
         """The tokens a speculative chunk emits (accepted draft tokens + the target's next one)."""

@@ -13,8 +13,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from bench.serve.deploy import Frontend, load_targets
@@ -25,6 +27,7 @@ from serving.ports import free_port
 from tests.deploy_harness import cluster, deployed
 from torch_engine.config import EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
+from torch_engine.guided import Guide, GuideKind
 from torch_engine.sampling import SamplingParams
 
 KEY = "test-key-0123"
@@ -166,6 +169,89 @@ def test_bad_requests_get_openai_errors(deployment: Launch, fields: dict[str, ob
     assert isinstance(error, dict) and error["message"] and error["type"] and error.get("code") == code
     ok = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].message.content  # the deployment keeps serving
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    city: Literal["Paris", "London", "Tokyo"]
+
+
+def test_structured_output_equals_the_engine_and_parses(deployment: Launch, engine: LLMEngine) -> None:
+    """``response_format`` through the disaggregated path gives the colocated engine's tokens for the same
+    guide; the ``openai`` client's own ``parse`` (its strict schema from a pydantic model) gets a valid object;
+    vLLM's and SGLang's fields reach the same grammar engine."""
+    client, messages = _client(deployment), [{"role": "user", "content": "Invent a person. Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    got = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=48, temperature=0, response_format=fmt
+    )  # type: ignore[call-overload]
+    tok = engine.tokenizer
+    assert tok is not None
+    guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(PERSON))
+    want = engine.generate([tok.encode(messages[0]["content"], chat=True)], SamplingParams(max_tokens=48, guide=guide))
+    assert got.choices[0].message.content == tok.decode(want[0])
+    value = json.loads(got.choices[0].message.content or "")
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    parsed = client.chat.completions.parse(model="smollm2", messages=messages, max_tokens=60, response_format=Person)  # type: ignore[arg-type]
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.city in ("Paris", "London", "Tokyo")
+    phone = client.completions.create(
+        model="smollm2", prompt="My phone number is", max_tokens=20, temperature=0.8, seed=1,
+        extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"},
+    )  # fmt: skip
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.choices[0].text), phone.choices[0].text
+    for extra in ({"structured_outputs": {"choice": ["Paris", "Lyon"]}}, {"ebnf": 'root ::= "Paris" | "Lyon"'}):
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "The capital of France?"}], max_tokens=8,
+            extra_body=extra,
+        )  # fmt: skip
+        assert r.choices[0].message.content in ("Paris", "Lyon") and r.choices[0].finish_reason == "stop"
+
+
+def test_streams_carry_usage_on_every_chunk_when_asked(deployment: Launch) -> None:
+    """guidellm's streamed requests send vLLM's ``continuous_usage_stats``: every chunk carries the counts."""
+    chunks = list(
+        _client(deployment).chat.completions.create(  # type: ignore[call-overload]
+            model="smollm2", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=12, temperature=0,
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+            response_format={"type": "json_object"},
+        )
+    )  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counts and counts == sorted(counts) and len(counts) == len([c for c in chunks if c.choices]) - 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == counts[-1]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "match"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+         "response_format", "invalid json_schema guide"),
+        ({"guided_regex": "(ab"}, "guided_regex", "unclosed group"),
+        ({"guided_regex": "a", "regex": "b"}, None, "at most one structured-output field"),
+        ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", "invalid ebnf_grammar guide"),
+    ],
+)  # fmt: skip
+def test_a_bad_guide_is_a_400_naming_the_field(deployment: Launch, extra: dict, param: str | None, match: str) -> None:
+    client = _client(deployment)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=extra
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and match in body["message"] and (param is None or body["param"] == param)
+    assert client.models.retrieve("smollm2").id == "smollm2"  # and GET /v1/models/{id} answers
 
 
 def test_a_conversation_reuses_its_history_on_the_group_that_holds_it(deployment: Launch, engine: LLMEngine) -> None:
