@@ -243,8 +243,8 @@ class LLMEngine:
             return []
         for obs in self._observers:
             obs.before_step(sched)
-        hidden = self._runner.run(sched)
-        picks = pick(sched, hidden, self._runner.logits, self._spec)
+        masks = self._outputs.prefetch(sched)  # grammar masks, computed while the forward pass runs
+        picks = pick(sched, self._runner.run(sched), self._runner.logits, self._spec, masks)
         if self._model.mtp is not None:
             self._spec.draft_pass(sched, picks, self._runner, len(self._scheduler.running))
         for obs in self._observers:

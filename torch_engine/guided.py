@@ -19,7 +19,9 @@ The call order, per request (``Intake`` -> ``pick`` -> ``Outputs``):
    so the loop only copies a prototype.
 2. Each step that samples for it: ``GrammarState.masks(draft)`` — the allowed tokens at its next
    position and after each of its draft tokens (``Speculator.propose`` cut the draft to its
-   longest valid prefix, ``valid_prefix``); ``apply_masks`` sets every other logit to -inf.
+   longest valid prefix, ``valid_prefix``), computed by ``MaskPrefetch`` on a worker thread while
+   the forward pass runs (llguidance releases the GIL); ``apply_masks`` sets every other logit to
+   -inf.
 3. Each token it emits: ``accept``; ``done`` once the grammar cannot go on (the request stops).
 """
 
@@ -30,6 +32,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -247,6 +250,38 @@ class GrammarTable:
 
                 self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)  # type: ignore[arg-type]
             return self._tok
+
+
+MaskWork = list[tuple[int, GrammarState, list[int]]]  # (key, the request's grammar, its draft)
+
+
+class PendingMasks:
+    """A step's masks, being computed: ``get(key)`` waits for one (``GuideError`` if its grammar failed)."""
+
+    def __init__(self, futures: dict[int, Future[torch.Tensor]] | None = None) -> None:
+        self._futures = futures or {}
+
+    def get(self, key: int, state: GrammarState, draft: list[int]) -> torch.Tensor:
+        """The masks for ``key`` (computed now, on this thread, if they were not prefetched)."""
+        future = self._futures.get(key)
+        return future.result() if future is not None else state.masks(draft)
+
+
+NO_MASKS = PendingMasks()
+
+
+class MaskPrefetch:
+    """One worker thread (started on first use) that computes grammar masks beside the forward pass."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, work: MaskWork) -> PendingMasks:
+        if not work:
+            return NO_MASKS
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return PendingMasks({key: self._pool.submit(state.masks, draft) for key, state, draft in work})
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from torch_engine.guided import GuideError, apply_masks
+from torch_engine.guided import NO_MASKS, GuideError, MaskPrefetch, MaskWork, PendingMasks, apply_masks
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import InvalidRequestError, TokenLogprobs, apply_penalties, logprobs_of, sample
 from torch_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -20,9 +20,19 @@ from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 Logits = Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> fp32 logits
 
 
-def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator) -> dict[int, Picked]:
+def mask_work(sched: SchedulerOutput) -> MaskWork:
+    """The grammar masks a step needs (keyed by id(chunk)): chunks that sample or verify drafts for
+    a request with a guide."""
+    return [(id(c), c.request.grammar, list(c.draft)) for c in sched.chunks
+            if c.request.grammar is not None and (c.samples or c.draft)]  # fmt: skip
+
+
+def pick(
+    sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks = NO_MASKS
+) -> dict[int, Picked]:
     """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens
-    (a prefill-only chunk whose last hidden state is wanted keeps it and its logits)."""
+    (a prefill-only chunk whose last hidden state is wanted keeps it and its logits). ``masks``:
+    the grammar masks of ``mask_work(sched)``, prefetched."""
     first: dict[int, int] = {}  # id(chunk) -> its first row in ``hidden``
     rows: list[ScheduledChunk] = []  # chunks with exactly one row
     n_rows = 0
@@ -39,7 +49,7 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
             mine = logits[first[id(c)] : first[id(c)] + c.length]
             if c.request.grammar is not None:
                 mine = mine.clone()  # the step's logits are an inference tensor: mask a copy
-            error = _constrain(mine, list(range(c.length)), c)
+            error = _constrain(mine, list(range(c.length)), c, masks)
             picks[id(c)] = error or spec.verify(c, mine)
     sampled = [c for c in rows if c.samples]
     reqs = [c.request for c in sampled]
@@ -49,7 +59,7 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
         apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
     failed: dict[int, str] = {}
     for j, c in enumerate(sampled):  # the grammar's mask last: no penalty can bring a masked token back
-        if c.request.grammar is not None and (error := _constrain(chosen, [j], c)) is not None:
+        if c.request.grammar is not None and (error := _constrain(chosen, [j], c, masks)) is not None:
             failed[j] = error.error or ""
     tokens = sample(chosen, params, [r.sampler for r in reqs], failed)
     wanted = [j for j, p in enumerate(params) if p.logprobs is not None and j not in failed]
@@ -67,20 +77,21 @@ def pick(sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: 
     return picks
 
 
-def _constrain(logits: torch.Tensor, rows: list[int], c: ScheduledChunk) -> Picked | None:
+def _constrain(logits: torch.Tensor, rows: list[int], c: ScheduledChunk, masks: PendingMasks) -> Picked | None:
     """Mask ``logits`` rows (a chunk's next position, then one per draft token) to what the chunk's
     grammar allows; a grammar in an error state fails that request alone (the returned ``Picked``)."""
     if c.request.grammar is None:
         return None
     try:
-        apply_masks(logits, rows, c.request.grammar.masks(list(c.draft)))
+        apply_masks(logits, rows, masks.get(id(c), c.request.grammar, list(c.draft)))
     except GuideError as exc:
         return Picked([], [], str(exc))
     return None
 
 
 class Outputs:
-    """Applies a step's picks; owns the stop-string detokenisers of live requests."""
+    """Applies a step's picks; owns the stop-string detokenisers of live requests and the worker that
+    computes a step's grammar masks beside its forward pass (``prefetch``)."""
 
     def __init__(
         self, scheduler: Scheduler, tokenizer: Tokenizer | None, eos_ids: Collection[int], max_model_len: int
@@ -90,6 +101,11 @@ class Outputs:
         self._eos_ids = frozenset(eos_ids)
         self._max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._masks = MaskPrefetch()
+
+    def prefetch(self, sched: SchedulerOutput) -> PendingMasks:
+        """Start the step's grammar masks (``pick`` waits for them); call before the forward pass."""
+        return self._masks.start(mask_work(sched))
 
     def watch(self, req: Request) -> None:
         """A new request with stop strings gets a detokeniser (InvalidRequestError without a tokenizer)."""
