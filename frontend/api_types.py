@@ -1,7 +1,8 @@
 """OpenAI's request and response shapes (the parts we serve), validated with pydantic.
 
 Requests reject unknown fields and out-of-range values with a message that names the field
-(OpenAI answers those with HTTP 400 ``invalid_request_error``). ``n`` is 1 only.
+(OpenAI answers those with HTTP 400 ``invalid_request_error``). A request asks for at most
+``MAX_CHOICES`` choices (``n`` per prompt; ``/v1/completions`` takes a list of prompts).
 
 Structured output: OpenAI's ``response_format`` (``json_schema``, ``json_object``, ``text``), vLLM's
 ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar``) and its older ``guided_json`` /
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch_engine.guided import Guide, GuideKind
 from torch_engine.sampling import MAX_CACHE_SALT
 
+MAX_CHOICES = 64  # n x prompts of one request
 MAX_STOP_CHARS = 1000  # per stop sequence (OpenAI allows 4 of them); matching is linear in the text anyway
 
 
@@ -173,9 +175,9 @@ class _Request(Guided):
 
     @field_validator("n")
     @classmethod
-    def _one(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: only n=1 (one choice per request)")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         return n
 
     @field_validator("stop")
@@ -235,24 +237,61 @@ class ChatCompletionRequest(_Request):
         """None: no log-probabilities; else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> None:
+        return None
+
+
+Prompt = str | list[int]
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt only")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError(f"prompt lists {len(prompt)} prompts: send one per request")
-        if not prompt or prompt in ([""], ""):
+    def _prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> object:
+        if not prompt or prompt == "":
             raise ValueError("prompt is empty")
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
+            if any(not p for p in prompt):
+                raise ValueError("prompt is empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (it scores the prompt only)")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices")
+        return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """One entry per prompt: a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt's log-probabilities, no completion."""
+        return self.max_tokens == 0
 
     @property
     def limit(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Prompt log-probabilities: with ``echo`` and ``logprobs`` (as OpenAI's legacy API and vLLM)."""
+        return self.logprobs if self.echo else None
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -328,8 +367,8 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -43,10 +43,12 @@ class ApiError(Exception):
 
 @dataclass(slots=True)
 class Delta:
-    """What one piece added: text (stop strings cut) and the new tokens' log-probabilities."""
+    """What one piece added: text (stop strings cut), the new tokens' log-probabilities and, on the
+    first, the prompt's when asked for (one per prompt token, the first None)."""
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt: list[TokenLogprob | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -87,15 +89,19 @@ class Generator:
         except ValueError as exc:  # no chat template
             raise ApiError(400, f"{exc}: use /v1/completions", param="messages") from None
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        p = req.prompt
-        if isinstance(p, list) and isinstance(p[0], int):
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids (a string is tokenized; ids are checked against the vocabulary)."""
+        out = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p))
+                continue
             vocab = len(self.tokenizer.hf)
             bad = next((t for t in p if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-            return [int(t) for t in p]
-        return self.tokenizer.encode(p if isinstance(p, str) else str(p[0]))
+            out.append([int(t) for t in p])
+        return out
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
         limit = req.limit if req.limit is not None else self.cfg.spec.max_tokens_default
@@ -108,7 +114,8 @@ class Generator:
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logprobs=req.num_top_logprobs, cache_salt=req.cache_salt, guide=guided[1] if guided else None,
+            logprobs=req.num_top_logprobs, prompt_logprobs=req.num_prompt_logprobs, cache_salt=req.cache_salt,
+            guide=guided[1] if guided else None,
         )  # fmt: skip
         try:
             check_sampling(params)  # every value fits the type the wire carries it in; the guide compiles
@@ -120,13 +127,14 @@ class Generator:
 
     # -- running -------------------------------------------------------------------------
     async def pieces(
-        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome
+        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome, prefer: str | None = None
     ) -> AsyncGenerator[Piece, None]:
-        """Pieces from the least loaded group; a group that fails before the first piece: once more elsewhere."""
+        """Pieces from the least loaded group (``prefer``: that one while it is up); a group that fails
+        before the first piece: once more elsewhere."""
         tried: set[str] = set()
         failures: list[str] = []
         while True:
-            picked = self.pool.pick(tried, ids, s.cache_salt)
+            picked = self.pool.pick(tried, ids, s.cache_salt, prefer)
             if picked is None:
                 downs = "; ".join(failures or [f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up])
                 raise ApiError(503, f"no decode group can serve this request ({downs})", "server_error")
@@ -159,17 +167,17 @@ class Generator:
                     raise ApiError(status, str(exc), "server_error" if got_any else "invalid_request_error") from None
 
     async def deltas(
-        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome
+        self, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome, prefer: str | None = None
     ) -> AsyncGenerator[Delta, None]:
         text = TextAssembler(self.tokenizer, StopCutter(s.stop))
         last, first = time.monotonic(), True
-        async with contextlib.aclosing(self.pieces(ids, s, rid, outcome)) as pieces:
+        async with contextlib.aclosing(self.pieces(ids, s, rid, outcome, prefer)) as pieces:
             async for piece in pieces:
                 new = piece.generated - outcome.completion_tokens
                 outcome.completion_tokens = piece.generated
                 outcome.cached_tokens = piece.cached
                 self.metrics.tokens.labels("completion").inc(new)
-                delta = Delta(text.push(piece.window, piece.skip), self._logprobs(piece))
+                delta = Delta(text.push(piece.window, piece.skip), self._logprobs(piece), self._prompt(ids, piece))
                 if piece.finish_reason:
                     delta.text += text.finish()
                     outcome.finish_reason = "stop" if text.cutter.hit else piece.finish_reason
@@ -177,7 +185,7 @@ class Generator:
                     now = time.monotonic()
                     (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
                     first, last = False, now
-                if delta.text or delta.logprobs or piece.finish_reason:
+                if delta.text or delta.logprobs or delta.prompt or piece.finish_reason:
                     yield delta
         self.metrics.tokens.labels("prompt").inc(outcome.prompt_tokens)
         self.metrics.tokens.labels("prompt_cached").inc(outcome.cached_tokens)
@@ -189,6 +197,17 @@ class Generator:
         out = []
         for t, lp, ids, lps in zip(new, piece.logprobs, piece.top_ids, piece.top_logprobs, strict=True):
             alternatives = [self._top(a, b) for a, b in zip(ids, lps, strict=True)]
+            out.append(TokenLogprob(**self._top(t, lp).model_dump(), top_logprobs=alternatives))
+        return out
+
+    def _prompt(self, ids: list[int], piece: Piece) -> list[TokenLogprob | None]:
+        """The prompt's log-probabilities (the first token has none), when the piece carries them."""
+        s = piece.prompt
+        if s is None or len(s.logprobs) != len(ids) - 1:
+            return []
+        out: list[TokenLogprob | None] = [None]
+        for t, lp, alt_ids, alt_lps in zip(ids[1:], s.logprobs, s.top_ids, s.top_logprobs, strict=True):
+            alternatives = [self._top(a, b) for a, b in zip(alt_ids, alt_lps, strict=True)]
             out.append(TokenLogprob(**self._top(t, lp).model_dump(), top_logprobs=alternatives))
         return out
 

@@ -78,10 +78,16 @@ class GroupPool:
     def ready(self) -> bool:
         return any(g.up for g in self.groups)
 
-    def pick(self, exclude: set[str], prompt: Sequence[int] = (), salt: str | None = None) -> tuple[Group, int] | None:
+    def pick(
+        self, exclude: set[str], prompt: Sequence[int] = (), salt: str | None = None, prefer: str | None = None
+    ) -> tuple[Group, int] | None:
         """The up group not in ``exclude`` with the least expected work (outstanding tokens plus the
-        ``prompt`` tokens its cache lacks; then fewest requests), and its expected cached tokens."""
+        ``prompt`` tokens its cache lacks; then fewest requests), and its expected cached tokens;
+        ``prefer``: that group while it is up and not excluded (it just computed this prompt)."""
         candidates = [(g, g.cache.cached_tokens(prompt, salt)) for g in self.groups if g.up and g.name not in exclude]
+        preferred = [c for c in candidates if c[0].name == prefer]
+        if preferred:
+            return preferred[0]
         best = min(candidates, key=lambda c: (c[0].outstanding + len(prompt) - c[1], c[0].in_flight), default=None)
         return best
 

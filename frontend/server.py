@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from frontend import choices
 from frontend.api_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,7 +40,9 @@ from frontend.api_types import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TokenLogprob,
+    Usage,
 )
 from frontend.config import RouterConfig
 from frontend.generation import ApiError, Delta, Generator, Outcome
@@ -186,13 +189,11 @@ class Router:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, ChatCompletionRequest)
-        ids = self.gen.chat_prompt(req)
-        return await self._serve(request, req, ids, self.gen.request_id("chatcmpl"))
+        return await self._serve(request, req, [self.gen.chat_prompt(req)], self.gen.request_id("chatcmpl"))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, CompletionRequest)
-        ids = self.gen.completion_prompt(req)
-        return await self._serve(request, req, ids, self.gen.request_id("cmpl"))
+        return await self._serve(request, req, self.gen.completion_prompts(req), self.gen.request_id("cmpl"))
 
     async def _parse(self, request: web.Request, kind: type[R]) -> R:
         raw = _json_body(await _body(request))
@@ -212,44 +213,65 @@ class Router:
         return req
 
     async def _serve(
-        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int], rid: str
+        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], rid: str
     ) -> web.StreamResponse:
-        if not ids:  # e.g. a prompt of control characters only: nothing to send upstream
+        if any(not ids for ids in prompts):  # e.g. a prompt of control characters only: nothing to send upstream
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, "the prompt is empty: it has no tokens", param=param)
         sampling = self.gen.sampling(req)
-        outcome = Outcome(prompt_tokens=len(ids))
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
-        deltas = self.gen.deltas(ids, sampling, traced, outcome)
-        chat = isinstance(req, ChatCompletionRequest)
-        if req.stream:
-            return await self._stream(request, req, deltas, outcome, rid, traced)
-        collected: list[Delta] = []
-        async with contextlib.aclosing(deltas) as ds:
-            async for d in ds:
-                collected.append(d)
+        if len(prompts) * req.n == 1:
+            outcome = Outcome(prompt_tokens=len(prompts[0]))
+            if req.stream:
+                deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
+                return await self._stream(request, req, deltas, outcome, rid, traced, prompts[0])
+            runs = [choices.Ran(0, await choices.collect(self.gen, prompts[0], sampling, traced, outcome), outcome)]
+        elif req.stream:
+            raise ApiError(
+                400, "streaming several choices (n > 1, or a list of prompts) is not supported", param="stream"
+            )
+        else:
+            runs = await choices.run(self.gen, prompts, sampling, traced, req.n)
         self.metrics.requests.labels(_route(request), "200").inc()
-        text = "".join(d.text for d in collected)
-        lps = [lp for d in collected for lp in d.logprobs]
-        reason = _reason(outcome)
-        now, usage = int(time.time()), outcome.usage
-        if chat:
-            logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
-            answer = ChatChoice(message=ChatResponseMessage(content=text), logprobs=logprobs, finish_reason=reason)
-            body: BaseModel = ChatCompletion(id=rid, created=now, model=req.model, choices=[answer], usage=usage)
-            return _json(body, headers={REQUEST_ID: traced})
-        assert isinstance(req, CompletionRequest)
-        if req.echo:
-            text = self._prompt_text(req) + text
-        choice = CompletionChoice(text=text, logprobs=_completion_logprobs(req, lps), finish_reason=reason)
-        body = Completion(id=rid, created=now, model=req.model, choices=[choice], usage=usage)
+        leads = [r.outcome for i, r in enumerate(runs) if i % req.n == 0]  # each prompt counted once
+        completed = 0 if getattr(req, "scores_only", False) else sum(r.outcome.completion_tokens for r in runs)
+        usage = Usage(
+            prompt_tokens=sum(o.prompt_tokens for o in leads), completion_tokens=completed,
+            total_tokens=sum(o.prompt_tokens for o in leads) + completed,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in leads)),
+        )  # fmt: skip
+        now = int(time.time())
+        if isinstance(req, ChatCompletionRequest):
+            chat = [self._chat_choice(req, i, r) for i, r in enumerate(runs)]
+            body: BaseModel = ChatCompletion(id=rid, created=now, model=req.model, choices=chat, usage=usage)
+        else:
+            texts = [self._completion_choice(req, i, r, prompts[r.prompt]) for i, r in enumerate(runs)]
+            body = Completion(id=rid, created=now, model=req.model, choices=texts, usage=usage)
         return _json(body, headers={REQUEST_ID: traced})
 
-    def _prompt_text(self, req: CompletionRequest) -> str:
-        p = req.prompt
-        if isinstance(p, str):
-            return p
-        return self.gen.tokenizer.decode([int(t) for t in p]) if isinstance(p[0], int) else str(p[0])
+    def _chat_choice(self, req: ChatCompletionRequest, index: int, r: choices.Ran) -> ChatChoice:
+        text = "".join(d.text for d in r.deltas)
+        lps = [lp for d in r.deltas for lp in d.logprobs]
+        logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
+        message = ChatResponseMessage(content=text)
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=_reason(r.outcome))
+
+    def _completion_choice(
+        self, req: CompletionRequest, index: int, r: choices.Ran, ids: list[int]
+    ) -> CompletionChoice:
+        """One completion choice; with ``echo`` its text starts with the prompt and its log-probabilities with the
+        prompt's (the first token's None), ``max_tokens: 0`` keeps the prompt only."""
+        text = "" if req.scores_only else "".join(d.text for d in r.deltas)
+        lps = [] if req.scores_only else [lp for d in r.deltas for lp in d.logprobs]
+        prompt_text = self._prompt_text(req.prompts[r.prompt])
+        prompt_lps = next((d.prompt for d in r.deltas if d.prompt), []) if req.echo else []
+        first = self.gen.tokenizer.decode(ids[:1])
+        logprobs = _completion_logprobs(req, lps, len(prompt_text), prompt_lps, first)
+        text = (prompt_text if req.echo else "") + text
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=_reason(r.outcome))
+
+    def _prompt_text(self, p: str | list[int]) -> str:
+        return p if isinstance(p, str) else self.gen.tokenizer.decode([int(t) for t in p])
 
     async def _stream(
         self,
@@ -259,10 +281,13 @@ class Router:
         outcome: Outcome,
         rid: str,
         traced: str,
+        ids: list[int],
     ) -> web.StreamResponse:
         """Server-sent events; the first upstream failure before any byte went out is still an HTTP error."""
         chat, created = isinstance(req, ChatCompletionRequest), int(time.time())
         response: web.StreamResponse | None = None
+        prompt_text = "" if chat else self._prompt_text(req.prompts[0])  # type: ignore[union-attr]
+        offset, first = len(prompt_text), self.gen.tokenizer.decode(ids[:1])  # text offsets run across chunks
 
         async def send(payload: BaseModel | str) -> None:
             nonlocal response
@@ -276,7 +301,7 @@ class Router:
                 if chat:
                     await send(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
                 elif req.echo:  # type: ignore[union-attr]
-                    await send(_completion_chunk(rid, created, req.model, self._prompt_text(req), None))  # type: ignore[arg-type]
+                    await send(_completion_chunk(rid, created, req.model, prompt_text, None))
                 continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
                 async for d in ds:
                     reason = _reason(outcome) if outcome.finish_reason else None
@@ -286,7 +311,9 @@ class Router:
                         logprobs = ChatLogprobs(content=d.logprobs) if d.logprobs else None
                         chunk = _chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs)
                     else:
-                        lps = _completion_logprobs(req, d.logprobs)  # type: ignore[arg-type]
+                        prompt = d.prompt if req.echo else []  # type: ignore[union-attr]
+                        lps = _completion_logprobs(req, d.logprobs, offset, prompt, first)  # type: ignore[arg-type]
+                        offset += sum(len(lp.token) for lp in d.logprobs)
                         chunk = _completion_chunk(rid, created, req.model, d.text, reason, lps)
                     chunk.usage = usage
                     await send(chunk)
@@ -328,19 +355,38 @@ def _completion_chunk(
     return Completion(id=rid, created=created, model=model, choices=[choice])
 
 
-def _completion_logprobs(req: CompletionRequest, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
-    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+def _completion_logprobs(
+    req: CompletionRequest, lps: list[TokenLogprob], start: int, prompt: list[TokenLogprob | None] | None = None,
+    first: str = "",
+) -> CompletionLogprobs | None:  # fmt: skip
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}; ``text_offset``
+    counts characters of the prompt + completion text (the completion's tokens from ``start``, the
+    prompt's length); with ``echo`` the prompt's tokens come first (the first one, ``first``, without a
+    log-probability)."""
     if req.logprobs is None:
         return None
-    offsets, at = [], 0
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    at = 0
+    for lp in prompt or []:
+        token = lp.token if lp is not None else first
+        tokens.append(token)
+        values.append(lp.logprob if lp is not None else None)
+        tops.append({t.token: t.logprob for t in lp.top_logprobs} if lp is not None else None)
+        offsets.append(at)
+        at += len(token)
+    at = start
     for lp in lps:
+        tokens.append(lp.token)
+        values.append(lp.logprob)
+        tops.append({t.token: t.logprob for t in lp.top_logprobs})
         offsets.append(at)
         at += len(lp.token)
-    tops = [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps] if req.logprobs else None
     return CompletionLogprobs(
-        tokens=[lp.token for lp in lps], token_logprobs=[lp.logprob for lp in lps], top_logprobs=tops,
-        text_offset=offsets,
-    )  # fmt: skip
+        tokens=tokens, token_logprobs=values, top_logprobs=tops if req.logprobs else None, text_offset=offsets
+    )
 
 
 def serve(cfg: RouterConfig) -> None:

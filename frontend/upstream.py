@@ -43,18 +43,19 @@ class Refused(RuntimeError):
 Piece = DecodePiece  # one streamed response of ``decode`` (its codec: ``serving.codecs``)
 OUTPUTS = (Tensor.OUTPUT_IDS, Tensor.TEXT_SKIP, Tensor.SEQUENCE_LENGTH, Tensor.CACHED_TOKENS, Tensor.FINISH_REASON)
 LOGPROB_OUTPUTS = (Tensor.OUTPUT_LOG_PROBS, Tensor.TOP_LOGPROB_IDS, Tensor.TOP_LOGPROB_VALUES)
+PROMPT_OUTPUTS = (Tensor.PROMPT_LOG_PROBS, Tensor.PROMPT_TOP_IDS, Tensor.PROMPT_TOP_VALUES)
 
 
 async def _one(request: Mapping[str, object]) -> AsyncIterator[Mapping[str, object]]:
     yield request
 
 
-def _piece(result: object, k: int | None) -> Piece:
+def _piece(result: object, k: int | None, prompt_k: int | None) -> Piece:
     def get(name: str) -> np.ndarray | None:
         return result.as_numpy(name)  # type: ignore[attr-defined]
 
     try:
-        return parse_piece(get, k)
+        return parse_piece(get, k, prompt_k)
     except InvalidRequestError as exc:
         raise Refused(f"the decode model's response: {exc}") from None
 
@@ -83,6 +84,7 @@ async def stream(
     client: aioclient.InferenceServerClient, ids: list[int], s: SamplingParams, request_id: str, timeout_s: float
 ) -> AsyncGenerator[Piece, None]:
     outputs = OUTPUTS + (LOGPROB_OUTPUTS if s.logprobs is not None else ())
+    outputs += PROMPT_OUTPUTS if s.prompt_logprobs is not None else ()
     request = {
         "model_name": Model.DECODE.value,
         "inputs": client_inputs(DECODE, encode_decode(DecodeCall(ids, s, stream=True))),
@@ -91,7 +93,7 @@ async def stream(
     }
     async with contextlib.aclosing(_results(client, request, timeout_s)) as results:
         async for result in results:
-            piece = _piece(result, s.logprobs)
+            piece = _piece(result, s.logprobs, s.prompt_logprobs)
             yield piece
             if piece.finish_reason:
                 return

@@ -27,7 +27,7 @@ from serving.kv_events import KVEventBatch, KVEventsQuery
 from serving.names import Model, Tensor
 from serving.wire import SAMPLING, SIGNATURES, Arrays, Getter, Reader, WireType, encode
 from torch_engine.guided import Guide, GuideError, GuideKind
-from torch_engine.sampling import InvalidRequestError, SamplingParams
+from torch_engine.sampling import InvalidRequestError, SamplingParams, TokenLogprobs
 
 T = Tensor
 # scalar sampling inputs carried as is: tensor -> its SamplingParams field (left out at the field's default)
@@ -201,6 +201,27 @@ class DecodePiece:
     top_logprobs: tuple[tuple[float, ...], ...] = ()
     stop_words: tuple[str, ...] = ()  # passed on to postprocessing
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt: Scores = None  # the prompt tokens' (from the second), on the first piece, when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRows:
+    """Tokens' log-probabilities and their top alternatives (a piece's prompt: tokens 1.., token 0 has none)."""
+
+    logprobs: tuple[float, ...]
+    top_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+
+Scores = ScoreRows | None
+
+
+def prompt_scores(lps: tuple[TokenLogprobs | None, ...]) -> ScoreRows:
+    """The engine's prompt log-probabilities (the first None) as the wire carries them."""
+    rows = [lp for lp in lps[1:] if lp is not None]
+    return ScoreRows(
+        tuple(lp.logprob for lp in rows), tuple(lp.top_ids for lp in rows), tuple(lp.top_logprobs for lp in rows)
+    )
 
 
 def encode_piece(p: DecodePiece) -> Arrays:
@@ -216,28 +237,46 @@ def encode_piece(p: DecodePiece) -> Arrays:
     out = encode(DECODE, values, outputs=True)
     out[T.TOP_LOGPROB_IDS] = np.array(p.top_ids, dtype=np.int32).reshape(n, k)
     out[T.TOP_LOGPROB_VALUES] = np.array(p.top_logprobs, dtype=np.float32).reshape(n, k)
+    s = p.prompt or ScoreRows((), (), ())
+    m, j = len(s.logprobs), len(s.top_ids[0]) if s.top_ids else 0
+    out[T.PROMPT_LOG_PROBS] = np.array(s.logprobs, dtype=np.float32)
+    out[T.PROMPT_TOP_IDS] = np.array(s.top_ids, dtype=np.int32).reshape(m, j)
+    out[T.PROMPT_TOP_VALUES] = np.array(s.top_logprobs, dtype=np.float32).reshape(m, j)
     if p.stop_words:
         out |= encode(DECODE, {T.STOP_WORDS_OUT: list(p.stop_words)}, outputs=True)
     return out
 
 
-def parse_piece(get: Getter, top_logprobs: int | None) -> DecodePiece:
-    """A ``decode`` response (``top_logprobs``: the alternatives asked for; None: no log-probabilities)."""
+def parse_piece(get: Getter, top_logprobs: int | None, prompt_top: int | None = None) -> DecodePiece:
+    """A ``decode`` response (``top_logprobs``: the alternatives asked for; None: no log-probabilities;
+    ``prompt_top``: the same for the prompt's)."""
     r = Reader(get, DECODE.outputs)
     piece = DecodePiece(
         tuple(r.ints(T.OUTPUT_IDS)), r.integer(T.TEXT_SKIP) or 0, r.integer(T.SEQUENCE_LENGTH) or 0,
         r.text(T.FINISH_REASON) or "", cached=r.integer(T.CACHED_TOKENS) or 0,
+        prompt=_scores(r, (T.PROMPT_LOG_PROBS, T.PROMPT_TOP_IDS, T.PROMPT_TOP_VALUES), prompt_top),
     )  # fmt: skip
-    if top_logprobs is None:
+    new = _scores(r, (T.OUTPUT_LOG_PROBS, T.TOP_LOGPROB_IDS, T.TOP_LOGPROB_VALUES), top_logprobs)
+    if new is None:
         return piece
-    values = r.floats(T.OUTPUT_LOG_PROBS)
-    ids = r.matrix(T.TOP_LOGPROB_IDS, len(values))[:, :top_logprobs]
-    tops = r.matrix(T.TOP_LOGPROB_VALUES, len(values))[:, :top_logprobs]
     return DecodePiece(
-        piece.window, piece.skip, piece.generated, piece.finish_reason, tuple(values),
-        tuple(tuple(int(t) for t in row) for row in ids), tuple(tuple(float(v) for v in row) for row in tops),
-        cached=piece.cached,
+        piece.window, piece.skip, piece.generated, piece.finish_reason, new.logprobs, new.top_ids, new.top_logprobs,
+        cached=piece.cached, prompt=piece.prompt,
     )  # fmt: skip
+
+
+def _scores(r: Reader, tensors: tuple[Tensor, Tensor, Tensor], k: int | None) -> Scores:
+    """Log-probabilities and their top ``k`` alternatives (None: not asked for, or none sent)."""
+    if k is None or not r.has(tensors[0]):
+        return None
+    values = r.floats(tensors[0])
+    ids = r.matrix(tensors[1], len(values))[:, :k]
+    tops = r.matrix(tensors[2], len(values))[:, :k]
+    return ScoreRows(
+        tuple(values),
+        tuple(tuple(int(t) for t in row) for row in ids),
+        tuple(tuple(float(v) for v in row) for row in tops),
+    )
 
 
 # -- llm / preprocessing -------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Tensor(enum.StrEnum):
     FREQUENCY_PENALTY = "frequency_penalty"
     RETURN_LOG_PROBS = "return_log_probs"
     TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
+    PROMPT_LOGPROBS = "prompt_logprobs"  # ours (vLLM's name): each prompt token's log-probability + this many top
     NUM_RETURN_SEQUENCES = "num_return_sequences"
     STOP = "stop"  # TensorRT-LLM's: true stops the live requests named by this call's request id
     KV_EVENTS_QUERY = "kv_events_query"  # ours: a KVEventsQuery (JSON): answered with kv_events, nothing generated
@@ -73,6 +74,9 @@ class Tensor(enum.StrEnum):
     CUM_LOG_PROBS = "cum_log_probs"  # `ensemble`: of every token so far
     TOP_LOGPROB_IDS = "top_logprob_ids"  # [new tokens, top_logprobs]
     TOP_LOGPROB_VALUES = "top_logprob_values"
+    PROMPT_LOG_PROBS = "prompt_log_probs"  # ours: of prompt tokens 1.. (token 0 has none), on the first response
+    PROMPT_TOP_IDS = "prompt_top_logprob_ids"  # [prompt tokens - 1, prompt_logprobs]
+    PROMPT_TOP_VALUES = "prompt_top_logprob_values"
     TEXT_SKIP = "text_skip"
     STOP_WORDS_OUT = "stop_words_out"
     # postprocessing / llm

@@ -109,6 +109,7 @@ SAMPLING: tuple[SamplingInput, ...] = (  # TensorRT-LLM's names
     SamplingInput(Port(T.FREQUENCY_PENALTY, _F), "frequency_penalty"),
     SamplingInput(Port(T.RETURN_LOG_PROBS, _B)),
     SamplingInput(Port(T.TOP_LOGPROBS, _I)),
+    SamplingInput(Port(T.PROMPT_LOGPROBS, _I), "prompt_logprobs"),
     SamplingInput(Port(T.NUM_RETURN_SEQUENCES, _I)),
 )
 SAMPLING_PORTS = tuple(s.port for s in SAMPLING)
@@ -140,6 +141,9 @@ SIGNATURES: dict[Model, Signature] = {
             Port(T.TOP_LOGPROB_IDS, WireType.INT32, (-1, -1), optional=False),
             Port(T.TOP_LOGPROB_VALUES, WireType.FP32, (-1, -1), optional=False),
             Port(T.KV_EVENTS, WireType.BYTES, optional=False),
+            Port(T.PROMPT_LOG_PROBS, WireType.FP32, (-1,), optional=False),
+            Port(T.PROMPT_TOP_IDS, WireType.INT32, (-1, -1), optional=False),
+            Port(T.PROMPT_TOP_VALUES, WireType.FP32, (-1, -1), optional=False),
         ),
     ),
     Model.POSTPROCESSING: Signature(

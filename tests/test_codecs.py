@@ -15,7 +15,7 @@ from serving.codecs import DecodeCall, DecodePiece
 from serving.names import Model, Tensor
 from serving.wire import SIGNATURES, Arrays, Getter, Reader, WireType
 from torch_engine.guided import Guide, GuideKind
-from torch_engine.sampling import InvalidRequestError, SamplingParams
+from torch_engine.sampling import InvalidRequestError, SamplingParams, TokenLogprobs
 
 
 def getter(arrays: Arrays) -> Getter:
@@ -44,6 +44,7 @@ params = st.builds(
     presence_penalty=st.floats(-2, 2),
     frequency_penalty=st.floats(-2, 2),
     logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
     speculate=st.none() | st.booleans(),
     guide=st.sampled_from([
         None, Guide(GuideKind.JSON),
@@ -112,6 +113,20 @@ def test_a_bad_guide_is_refused_by_name(arrays: dict[Tensor, str], match: str) -
         codecs.parse_decode(getter(base | extra), 64)
 
 
+@pytest.mark.parametrize("k", [None, 0, 2])
+def test_prompt_scores_round_trip(k: int | None) -> None:
+    lps = (None, TokenLogprobs(-0.5, (1, 2), (-0.25, -0.5)), TokenLogprobs(-1.5, (3, 4), (-1.0, -1.5)))
+    piece = DecodePiece((5,), 0, 1, "length", prompt=codecs.prompt_scores(lps))
+    arrays = codecs.encode_piece(piece)
+    typed(Model.DECODE, arrays, outputs=True)
+    back = codecs.parse_piece(getter(arrays), None, k).prompt
+    if k is None:
+        assert back is None
+        return
+    assert back is not None and back.logprobs == (-0.5, -1.5)
+    assert back.top_ids == ((1, 2)[:k], (3, 4)[:k]) and back.top_logprobs == ((-0.25, -0.5)[:k], (-1.0, -1.5)[:k])
+
+
 @pytest.mark.parametrize("k", [None, 0, 3])
 def test_a_decode_piece_round_trips(k: int | None) -> None:
     tops = 3 if k is None else k
@@ -146,7 +161,8 @@ def test_prefill_and_postprocessing_round_trip() -> None:
     [
         (SamplingParams(top_k=2**40), r"top_k 1099511627776 does not fit INT32", "top_k"),
         (SamplingParams(max_tokens=2**31), "max_tokens 2147483648 does not fit INT32", "max_tokens"),
-        (SamplingParams(logprobs=2**33), "logprobs must be in", None),
+        (SamplingParams(logprobs=2**33), "logprobs must be in", "logprobs"),
+        (SamplingParams(prompt_logprobs=21), "prompt_logprobs must be in", "prompt_logprobs"),
         (SamplingParams(stop_token_ids=(1, 2)), "one end_id", None),
     ],
 )

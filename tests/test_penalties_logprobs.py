@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from tests.helpers import smollm2_prompts
+from tests.helpers import smollm2_prompts, tiny_engine
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import InvalidRequestError, SamplingParams, apply_penalties
+from torch_engine.tokenizer import Tokenizer
 
 N = 32
 
@@ -113,3 +114,37 @@ def test_apply_penalties_by_hand() -> None:
 def test_bad_sampling_controls_are_refused_by_name(fields: dict[str, float], name: str) -> None:
     with pytest.raises(InvalidRequestError, match=name):
         SamplingParams(**fields).validate()  # type: ignore[arg-type]
+
+
+def test_prompt_logprobs_equal_hf_with_chunks_cache_and_preemption(smollm2_dir: Path, hf_smollm2) -> None:
+    """``prompt_logprobs``: each prompt token's log-probability and top-3 = HF's log-softmax at the position
+    before it; the same over 16-token prefill chunks, after the prompt's pages were cached (a scoring
+    request computes its whole prompt), and in a pool so small that requests are preempted."""
+    prompts = [p + p[1:] + p[1:] for p in smollm2_prompts(Tokenizer(smollm2_dir))]  # several chunks long
+    with torch.no_grad():
+        want = [torch.log_softmax(hf_smollm2(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
+    params = SamplingParams(max_tokens=40, prompt_logprobs=3, ignore_eos=True)  # decodes grow: preemption
+    tight = max(-(-(len(p) + 40) // 16) for p in prompts) + 1  # room for the longest only: the others preempted
+    for pages, chunk in ((256, 512), (256, 16), (tight, 16)):
+        engine = tiny_engine(smollm2_dir, num_pages=pages, chunk=chunk, budget=max(chunk, 32), tokenizer=False)
+        engine.generate(prompts, SamplingParams(max_tokens=1))  # the prompts' pages now cached
+        rids = [engine.add_request(p, params) for p in prompts]
+        firsts: dict[str, tuple] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs:
+                    firsts[out.request_id] = out.prompt_logprobs
+        for rid, p, lp in zip(rids, prompts, want, strict=True):
+            got = firsts[rid]
+            assert len(got) == len(p) and got[0] is None
+            for j in range(1, len(p)):
+                t = got[j]
+                assert t is not None
+                assert t.logprob == pytest.approx(float(lp[j - 1, p[j]]), abs=2e-4), (pages, chunk, j)
+                top = torch.topk(lp[j - 1], 3)
+                assert (
+                    t.top_ids == tuple(top.indices.tolist())
+                    or max(abs(a - b) for a, b in zip(t.top_logprobs, top.values.tolist(), strict=True)) < 2e-4
+                )  # a tie may order the alternatives differently
+        if pages == tight:
+            assert engine.num_preemptions > 0

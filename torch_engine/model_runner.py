@@ -68,10 +68,7 @@ class ModelRunner:
         for c in sched.chunks:
             req = c.request
             tokens = req.all_tokens + list(c.draft) if c.draft else req.all_tokens
-            # output rows: every position of a draft chunk (the target's next token after each draft
-            # prefix), the last of a chunk that samples or whose final hidden state is wanted
-            outputs = c.length if c.draft else int(c.samples or (c.completes and req.want_last_hidden))
-            spans.append(Span(tokens[c.start : c.start + c.length], c.start, req.pages, outputs))
+            spans.append(Span(tokens[c.start : c.start + c.length], c.start, req.pages, c.outputs))
         return self.layout(spans)
 
     def layout(self, spans: list[Span]) -> StepInputs:

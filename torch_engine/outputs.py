@@ -33,16 +33,19 @@ def pick(
     """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens
     (a prefill-only chunk whose last hidden state is wanted keeps it and its logits). ``masks``:
     the grammar masks of ``mask_work(sched)``, prefetched."""
-    first: dict[int, int] = {}  # id(chunk) -> its first row in ``hidden``
-    rows: list[ScheduledChunk] = []  # chunks with exactly one row
+    first: dict[int, int] = {}  # id(chunk) -> its first output row in ``hidden`` (``ScheduledChunk.outputs``)
+    rows: list[ScheduledChunk] = []  # chunks (no drafts) whose last output row samples or is kept
     n_rows = 0
     for c in sched.chunks:
-        if c.draft:
-            first[id(c)], n_rows = n_rows, n_rows + c.length
-        elif c.samples or (c.completes and c.request.want_last_hidden):
-            first[id(c)], n_rows = n_rows, n_rows + 1
-            rows.append(c)
+        if c.outputs:
+            first[id(c)], n_rows = n_rows, n_rows + c.outputs
+            if not c.draft and (c.samples or (c.completes and c.request.want_last_hidden)):
+                rows.append(c)
+    last = {k: first[k] + c.outputs - 1 for c in sched.chunks if (k := id(c)) in first}  # its last output row
     logits = logits_of(hidden) if first else hidden
+    for c in sched.chunks:
+        if c.scores_prompt:
+            _score_prompt(c, logits[first[id(c)] : first[id(c)] + c.length])
     picks: dict[int, Picked] = {}
     for c in sched.chunks:
         if c.draft:
@@ -54,7 +57,7 @@ def pick(
     sampled = [c for c in rows if c.samples]
     reqs = [c.request for c in sampled]
     params = [r.params for r in reqs]
-    chosen = logits[[first[id(c)] for c in sampled]].float()
+    chosen = logits[[last[id(c)] for c in sampled]].float()
     if any(p.penalized for p in params):
         apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
     failed: dict[int, str] = {}
@@ -72,9 +75,24 @@ def pick(
         picks[id(c)] = Picked([], [], failed[j]) if j in failed else Picked([tokens[j]], [lp] if lp is not None else [])
     for c in rows:
         if c.request.want_last_hidden:
-            i = first[id(c)]
+            i = last[id(c)]
             c.request.last_hidden, c.request.last_logits = hidden[i].cpu(), logits[i].cpu()
     return picks
+
+
+def _score_prompt(c: ScheduledChunk, logits: torch.Tensor) -> None:
+    """Record the log-probabilities of the prompt tokens that the chunk's rows predict (row i, at
+    position start + i, predicts prompt token start + i + 1); positions already scored (a preempted
+    request computing its prompt again) are skipped."""
+    req = c.request
+    if not req.prompt_lps:
+        req.prompt_lps.append(None)  # nothing predicts the first token
+    at = len(req.prompt_lps)  # the next prompt token to score
+    lo, hi = at - 1 - c.start, min(c.length, len(req.prompt_ids) - 1 - c.start)
+    if lo < 0 or lo >= hi:
+        return
+    k = req.params.prompt_logprobs or 0
+    req.prompt_lps += logprobs_of(logits[lo:hi], req.prompt_ids[at : at + hi - lo], [k] * (hi - lo))
 
 
 def _constrain(logits: torch.Tensor, rows: list[int], c: ScheduledChunk, masks: PendingMasks) -> Picked | None:
@@ -171,6 +189,7 @@ class Outputs:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             logprobs=tuple(lp for o in outs for lp in o.logprobs),
+            prompt_logprobs=outs[0].prompt_logprobs,
             drafts=(req.spec.proposed, req.spec.accepted),
         )
 
@@ -224,5 +243,6 @@ class Outputs:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             logprobs=(logprobs,) if logprobs is not None else (),
+            prompt_logprobs=tuple(req.prompt_lps) if len(req.output_ids) == 1 else (),
             drafts=(req.spec.proposed, req.spec.accepted),
         )

@@ -127,6 +127,8 @@ class PrefixCache:
     def match(self, req: Request) -> list[int]:
         """Pages of the longest cached page-aligned prefix of ``req``'s tokens (leaving at least
         one token to compute); takes nothing (``PageAllocator.share`` does)."""
+        if req.params.prompt_logprobs is not None:
+            return []  # it scores every prompt position: cached KV carries no logits
         limit = max(req.compute_target - 1, 0) // self._page_size
         mtp = self._needs_mtp is not None and self._needs_mtp(req)
         pages: list[int] = []

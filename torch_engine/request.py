@@ -78,6 +78,7 @@ class Request:
     cache_registered: int = 0  # its first pages that are cached (filed by it, or hits)
     mtp_kv_gap: bool = False  # the MTP draft pass skipped some of its positions
     grammar: GrammarState | None = None  # its guide's matcher, where it samples (``guided.py``)
+    prompt_lps: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token (the first: None)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -115,4 +116,6 @@ class RequestOutput:
     text_window: tuple[int, ...] = ()  # tokens whose decoding, past ``text_skip`` of them, is ``text``
     text_skip: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()  # of ``new_token_ids``, when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # of every prompt token (None for the first): on the
+    # output that carries the first generated token, when the request asked for them
     drafts: tuple[int, int] = (0, 0)  # the request's draft tokens so far: (proposed, accepted)

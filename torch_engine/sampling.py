@@ -43,6 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from each token already generated (OpenAI)
     frequency_penalty: float = 0.0  # subtracted per occurrence of each token already generated (OpenAI)
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the top k alternatives
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-probability and top k (vLLM's)
     speculate: bool | None = None  # None: the engine's default (``SpeculativeConfig.default``)
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share KV pages
     guide: Guide | None = None  # constrained decoding: the output follows this schema / grammar (``guided.py``)
@@ -74,8 +75,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}", name)
         if self.guide is not None:
             try:
                 check_guide(self.guide)

@@ -44,6 +44,21 @@ class ScheduledChunk:
     def samples(self) -> bool:
         return self.completes and self.request.kind is not RequestKind.PREFILL_ONLY
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Its rows predict prompt tokens whose log-probabilities the request asked for."""
+        req = self.request
+        return req.params.prompt_logprobs is not None and self.start < len(req.prompt_ids) - 1
+
+    @property
+    def outputs(self) -> int:
+        """How many of its last rows the step needs the final hidden state / logits of: every row of
+        a draft chunk or of a chunk that scores the prompt; else the last one, if the chunk samples
+        or its final hidden state is wanted."""
+        if self.draft or self.scores_prompt:
+            return self.length
+        return int(self.samples or (self.completes and self.request.want_last_hidden))
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -477,6 +477,7 @@ class _Responder:
         self.logprobs: list[TokenLogprobs] = []  # of the tokens generated since the last response
         self.last = time.monotonic()
         self.first = True
+        self.prompt: codecs.Scores = None  # the prompt's log-probabilities, until the next response carries them
 
     def __call__(self, out: RequestOutput) -> None:
         if out.finished and self.on_done is not None:
@@ -499,6 +500,8 @@ class _Responder:
         self._observe(out)
         self.generated += len(out.new_token_ids)
         self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs:
+            self.prompt = codecs.prompt_scores(out.prompt_logprobs)
         if self.stream:
             if out.text or out.finished:
                 self._send(out.text_window, out.text_skip, out)
@@ -515,9 +518,11 @@ class _Responder:
     def _send(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> None:
         reason = "" if not out.finished else "length" if out.finish_reason is FinishReason.LENGTH else "stop"
         lps, self.logprobs = self.logprobs, []
+        prompt, self.prompt = self.prompt, None
         piece = DecodePiece(
             window, skip, self.generated, reason, tuple(lp.logprob for lp in lps),
             tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop, out.cached_tokens,
+            prompt,
         )  # fmt: skip
         self.sender.send(_response(codecs.encode_piece(piece)), flags=FINAL if out.finished else 0)
 

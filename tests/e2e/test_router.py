@@ -18,6 +18,7 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
+import torch
 
 from bench.serve.deploy import Frontend, load_targets
 from bench.serve.replay import replay
@@ -252,6 +253,56 @@ def test_a_bad_guide_is_a_400_naming_the_field(deployment: Launch, extra: dict, 
     body = err.value.body
     assert isinstance(body, dict) and match in body["message"] and (param is None or body["param"] == param)
     assert client.models.retrieve("smollm2").id == "smollm2"  # and GET /v1/models/{id} answers
+
+
+def test_loglikelihood_scoring_as_lm_eval_sends_it_equals_hf(deployment: Launch, engine: LLMEngine, hf_smollm2) -> None:
+    """lm-eval's ``local-completions`` loglikelihood call, as it sends it (token-id prompts in a batch,
+    ``echo``, ``max_tokens: 1``, ``logprobs: 1``) and as it reads it (``token_logprobs[ctxlen:-1]`` summed,
+    greedy when each equals its top alternative): the sums and greedy flags equal HF's log-softmax."""
+    tok = engine.tokenizer
+    assert tok is not None
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " London"), ("2 + 2 =", " 4")]
+    encoded = [(tok.encode(c), tok.encode(x)) for c, x in pairs]
+    r = _client(deployment).completions.create(
+        model="smollm2", prompt=[c + x for c, x in encoded], max_tokens=1, temperature=0, logprobs=1, echo=True,
+        seed=1234,
+    )  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice, (ctx, cont) in zip(sorted(r.choices, key=lambda c: c.index), encoded, strict=True):
+        ids, lp = ctx + cont, choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+        got = lp.token_logprobs[len(ctx) : -1]
+        greedy = all(t == max(top.values()) for t, top in zip(got, lp.top_logprobs[len(ctx) : -1], strict=True))
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), -1)
+        want = [float(ref[j - 1, ids[j]]) for j in range(len(ctx), len(ids))]
+        assert sum(got) == pytest.approx(sum(want), abs=1e-3)
+        assert greedy == all(int(ref[j - 1].argmax()) == ids[j] for j in range(len(ctx), len(ids)))
+    sums = [sum(c.logprobs.token_logprobs[len(encoded[0][0]) : -1]) for c in r.choices[:2] if c.logprobs]  # type: ignore[index]
+    assert sums[0] > sums[1]  # " Paris" over " London"
+    scored = _client(deployment).completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=0, echo=True, logprobs=0
+    )
+    assert scored.choices[0].text == "The capital of France is" and scored.usage is not None
+    lp = scored.choices[0].logprobs
+    assert scored.usage.completion_tokens == 0 and lp is not None and len(lp.tokens or []) == len(encoded[0][0])
+
+
+def test_n_choices_share_the_prompt_and_each_has_its_seed(deployment: Launch) -> None:
+    """``n: 3``: three choices, the prompt counted once in ``usage``, choice 0 the single request's with
+    the same seed, choice j that of seed + j; the same request again gives the same three."""
+    client, messages = _client(deployment), [{"role": "user", "content": PROMPTS[1]}]
+    ask = {"model": "smollm2", "messages": messages, "max_tokens": 10, "temperature": 1.0, "seed": 5}
+    r = client.chat.completions.create(n=3, **ask)  # type: ignore[call-overload]
+    texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    single = [client.chat.completions.create(**(ask | {"seed": 5 + j})) for j in range(3)]  # type: ignore[call-overload]
+    assert texts == [s.choices[0].message.content for s in single]
+    assert r.usage is not None and r.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    again = client.chat.completions.create(n=3, **ask)  # type: ignore[call-overload]
+    assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
 
 
 def test_a_conversation_reuses_its_history_on_the_group_that_holds_it(deployment: Launch, engine: LLMEngine) -> None:
