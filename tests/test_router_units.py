@@ -153,3 +153,34 @@ def test_the_router_config_is_owner_only(smollm2_dir: Path, tmp_path: Path) -> N
     cfg.dump(path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert RouterConfig.load(path).spec.api_key == "k"
+
+
+def test_n_choices_follow_their_first_on_its_group_after_its_first_token(smollm2_dir, monkeypatch) -> None:
+    """``n: 3`` over two prompts: each prompt's later choices start only after its first choice's first
+    piece, on that choice's group (its prefix cache holds the prompt now), seeds seed + j; choices in order."""
+    calls: list[tuple[str, tuple[int, ...], int | None]] = []
+    first_piece: dict[tuple[int, ...], int] = {}  # prompt -> index in ``calls`` when its first piece went out
+
+    def recording(name: str):
+        async def script(_: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
+            calls.append((name, tuple(ids), s.seed))
+            await asyncio.sleep(0.01)
+            first_piece.setdefault(tuple(ids), len(calls))
+            async for piece in healthy(name, ids, s):
+                yield piece
+
+        return script
+
+    body = {"prompt": ["one two", "three four five"], "n": 3, "seed": 7}
+    status, text, _ = run(smollm2_dir, {"a": recording("a"), "b": recording("b")}, monkeypatch, body)
+    assert status == 200, text
+    answer = json.loads(text)
+    assert [c["index"] for c in answer["choices"]] == list(range(6))
+    for prompt in {ids for _, ids, _ in calls}:
+        mine = [(i, name, seed) for i, (name, ids, seed) in enumerate(calls) if ids == prompt]
+        assert sorted(seed or 0 for _, _, seed in mine) == [7, 8, 9]
+        lead = next(c for c in mine if c[2] == 7)
+        assert all(name == lead[1] and i >= first_piece[prompt] for i, name, seed in mine if seed != 7)
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == sum(len(ids) for ids in {ids for _, ids, _ in calls})  # each prompt once
+    assert usage["completion_tokens"] == 6 * 3
