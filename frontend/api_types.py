@@ -202,16 +202,83 @@ class _Request(Guided):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_calls, ...: accepted, not used
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, ...: accepted, not used
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
+        """What the chat template renders: the content, or an assistant's calls as the JSON it emitted."""
+        if self.tool_calls and not self.content:
+            return "\n".join(
+                json.dumps({"name": c.function.name, "arguments": _json_or_text(c.function.arguments)})
+                for c in self.tool_calls
+            )
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+def _json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ToolName
+
+
+def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """The JSON a tool call is written as: ``{"name": <one of the tools>, "arguments": <its parameters>}``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 class ChatCompletionRequest(_Request):
@@ -219,6 +286,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; one call per choice
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -226,7 +296,31 @@ class ChatCompletionRequest(_Request):
             raise ValueError("messages must hold at least one message")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and not self.called:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.tool_choice == "auto" or (self.tools and self.tool_choice is None):
+            raise ValueError(
+                "tool_choice 'auto' needs a chat template with a tool-call format, and this model's has none: "
+                "send tool_choice 'required' or name a function (the call is then enforced by the grammar)"
+            )
         return self
+
+    @property
+    def called(self) -> list[Tool]:
+        """The tools a call must be one of (empty: no tool call is forced)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools)
+
+    def _guides(self) -> dict[str, Guide]:
+        found = super()._guides()
+        if self.called:
+            found["tool_choice"] = _schema_guide(tool_call_schema(self.called))
+        return found
 
     @property
     def limit(self) -> int | None:
@@ -323,16 +417,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class StreamedToolCall(ToolCall):
+    index: int = 0
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -346,14 +445,15 @@ class ChatCompletionChunk(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from frontend.generation import Delta, Generator, Outcome
@@ -44,6 +45,12 @@ async def collect(
         if started is not None:
             started.set()
     return out
+
+
+async def collect_all(deltas: AsyncGenerator[Delta, None]) -> list[Delta]:
+    """Every delta of one stream (closed at the end, or when the caller is cancelled)."""
+    async with contextlib.aclosing(deltas) as ds:
+        return [d async for d in ds]
 
 
 def seeded(s: SamplingParams, j: int) -> SamplingParams:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -83,7 +84,13 @@ class Generator:
 
     # -- prompts -------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The conversation through the chat template; forced tool calls add a system turn that lists
+        the tools and the JSON a call is written as (the grammar then enforces it)."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        if req.called:
+            listed = json.dumps([t.function.model_dump(exclude_none=True) for t in req.called])
+            note = f'Call one of these functions: {listed}. Reply with a JSON object {{"name": ..., "arguments": ...}}.'
+            messages.insert(0, {"role": "system", "content": note})
         try:
             return self.tokenizer.encode_chat(messages)
         except ValueError as exc:  # no chat template

@@ -38,10 +38,13 @@ from frontend.api_types import (
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    StreamedToolCall,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from frontend.config import RouterConfig
@@ -222,6 +225,9 @@ class Router:
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
         if len(prompts) * req.n == 1:
             outcome = Outcome(prompt_tokens=len(prompts[0]))
+            if req.stream and isinstance(req, ChatCompletionRequest) and req.called:
+                deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
+                return await self._stream_call(request, req, await choices.collect_all(deltas), outcome, rid, traced)
             if req.stream:
                 deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
                 return await self._stream(request, req, deltas, outcome, rid, traced, prompts[0])
@@ -253,8 +259,33 @@ class Router:
         text = "".join(d.text for d in r.deltas)
         lps = [lp for d in r.deltas for lp in d.logprobs]
         logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
+        call = _tool_call(req, text, r.outcome, f"call_{self.gen.request_id('')[1:]}_{index}")
+        if call is not None:
+            message = ChatResponseMessage(content=None, tool_calls=[call])
+            return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason="tool_calls")
         message = ChatResponseMessage(content=text)
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=_reason(r.outcome))
+
+    async def _stream_call(
+        self, request: web.Request, req: ChatCompletionRequest, deltas: list[Delta], outcome: Outcome, rid: str,
+        traced: str,
+    ) -> web.StreamResponse:  # fmt: skip
+        """A forced tool call, streamed as OpenAI streams one: the role, the whole call in one delta, the end."""
+        choice = self._chat_choice(req, 0, choices.Ran(0, deltas, outcome))
+        created, message = int(time.time()), choice.message
+        delta = ChatDelta(content=message.content, tool_calls=[
+            StreamedToolCall(index=0, **c.model_dump()) for c in message.tool_calls or []
+        ] or None)  # fmt: skip
+        response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
+        await response.prepare(request)
+        await response.write(_sse(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""))))
+        await response.write(_sse(_chat_chunk(rid, created, req.model, delta, choice.finish_reason)))
+        if req.include_usage:
+            usage = ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=outcome.usage)
+            await response.write(_sse(usage))
+        await response.write(_sse("[DONE]"))
+        self.metrics.requests.labels(_route(request), "200").inc()
+        return response
 
     def _completion_choice(
         self, req: CompletionRequest, index: int, r: choices.Ran, ids: list[int]
@@ -335,12 +366,26 @@ class Router:
         return response
 
 
+def _tool_call(req: ChatCompletionRequest, text: str, outcome: Outcome, call_id: str) -> ToolCall | None:
+    """A forced tool call's JSON (the grammar wrote it) as OpenAI's ``tool_calls`` entry; None when no
+    call was forced, or the text was cut by ``max_tokens`` (it stays content, ``finish_reason: length``)."""
+    if not req.called or outcome.finish_reason == "length":
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return ToolCall(id=call_id, function=FunctionCall(name=value["name"], arguments=json.dumps(value.get("arguments"))))
+
+
 def _reason(outcome: Outcome) -> Literal["stop", "length"]:
     return "length" if outcome.finish_reason == "length" else "stop"
 
 
 def _chat_chunk(
-    rid: str, created: int, model: str, delta: ChatDelta, reason: Literal["stop", "length"] | None = None,
+    rid: str, created: int, model: str, delta: ChatDelta, reason: Literal["stop", "length", "tool_calls"] | None = None,
     logprobs: ChatLogprobs | None = None,
 ) -> ChatCompletionChunk:  # fmt: skip
     choice = ChatChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import openai
 import pydantic
@@ -303,6 +303,68 @@ def test_n_choices_share_the_prompt_and_each_has_its_seed(deployment: Launch) ->
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
     again = client.chat.completions.create(n=3, **ask)  # type: ignore[call-overload]
     assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_forced_tool_calls_follow_the_function_schema(deployment: Launch) -> None:
+    """``tool_choice`` naming a function or ``required``: the call is written under the grammar, so its
+    arguments satisfy the function's schema; ``tool_calls`` and ``finish_reason: tool_calls`` as OpenAI
+    sends them, streamed too; a tool's answer in the history is taken; ``auto`` is a 400 saying why."""
+    client = _client(deployment)
+    create = cast(Any, client.chat.completions).create  # the calls' dicts, unchecked by the client's overloads
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice=named,
+    )
+    call = (r.choices[0].message.tool_calls or [None])[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call is not None and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+    either = create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=40,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+    )
+    assert either.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+    stream = create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice=named,
+        stream=True,
+    )
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert deltas[-1].finish_reason == "tool_calls" and streamed[0].function.arguments == call.function.arguments
+    history = [*messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]  # fmt: skip
+    answer = create(model="smollm2", messages=history, max_tokens=12)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto' needs a chat template"):
+        create(model="smollm2", messages=messages, max_tokens=8, tools=[WEATHER])
 
 
 def test_a_conversation_reuses_its_history_on_the_group_that_holds_it(deployment: Launch, engine: LLMEngine) -> None:
