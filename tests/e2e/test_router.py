@@ -151,7 +151,16 @@ def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -
 @pytest.mark.parametrize(
     ("fields", "status", "code"),
     [
-        ({"n": 2}, 400, None),
+        ({"n": 65}, 400, None),
+        ({"n": 2, "stream": True}, 400, None),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            400,
+            None,
+        ),
         ({"temperature": -1}, 400, None),
         ({"max_tokens": 0}, 400, None),
         ({"messages": []}, 400, None),
