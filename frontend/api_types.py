@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from torch_engine.guided import Guide, GuideKind
-from torch_engine.sampling import MAX_CACHE_SALT
+from torch_engine.sampling import MAX_CACHE_SALT, MAX_LOGIT_BIAS
 
 MAX_CHOICES = 64  # n x prompts of one request
 MAX_STOP_CHARS = 1000  # per stop sequence (OpenAI allows 4 of them); matching is linear in the text anyway
@@ -165,6 +165,9 @@ class _Request(Guided):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, description="extension (vLLM, TensorRT-LLM): 1 is off")
     ignore_eos: bool = Field(default=False, description="extension (vLLM): generate max_tokens tokens")
+    min_tokens: int = Field(default=0, ge=0, description="extension (vLLM): no EOS / stop token before this many")
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64, description="extension (vLLM)")
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     cache_salt: str | None = Field(
         default=None,
@@ -179,6 +182,20 @@ class _Request(Guided):
         if not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+        return bias
+
+    @property
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(t), float(v)) for t, v in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod

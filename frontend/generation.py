@@ -122,7 +122,8 @@ class Generator:
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logprobs=req.num_top_logprobs, prompt_logprobs=req.num_prompt_logprobs, cache_salt=req.cache_salt,
-            guide=guided[1] if guided else None,
+            guide=guided[1] if guided else None, min_tokens=req.min_tokens,
+            stop_token_ids=tuple(req.stop_token_ids or ()), logit_bias=req.biases,
         )  # fmt: skip
         try:
             check_sampling(params)  # every value fits the type the wire carries it in; the guide compiles

@@ -44,9 +44,10 @@ def sampling_values(params: SamplingParams) -> dict[Tensor, object]:
     if params.stop:
         values[T.STOP_WORDS] = list(params.stop)
     if params.stop_token_ids:
-        if len(params.stop_token_ids) != 1:
-            raise InvalidRequestError("the wire carries one end_id: stop_token_ids must hold at most one id")
-        values[T.END_ID] = params.stop_token_ids[0]
+        values[T.STOP_TOKEN_IDS] = list(params.stop_token_ids)
+    if params.logit_bias:
+        values[T.LOGIT_BIAS_IDS] = [t for t, _ in params.logit_bias]
+        values[T.LOGIT_BIAS_VALUES] = [b for _, b in params.logit_bias]
     if params.logprobs is not None:
         values[T.RETURN_LOG_PROBS] = True
         values[T.TOP_LOGPROBS] = params.logprobs
@@ -90,11 +91,15 @@ def parse_sampling(r: Reader, max_tokens_limit: int) -> SamplingParams:
     elif top:
         raise InvalidRequestError("top_logprobs needs return_log_probs=true")
     end_id = r.integer(T.END_ID)
+    bias_ids, bias_values = r.ints(T.LOGIT_BIAS_IDS), r.floats(T.LOGIT_BIAS_VALUES)
+    if len(bias_ids) != len(bias_values):
+        raise InvalidRequestError(f"{T.LOGIT_BIAS_IDS} and {T.LOGIT_BIAS_VALUES} differ in length", T.LOGIT_BIAS_IDS)
     params = SamplingParams(
         **kw,  # type: ignore[arg-type]
         stop=tuple(s for s in r.texts(T.STOP_WORDS) if s),
-        stop_token_ids=(end_id,) if end_id is not None else (),
+        stop_token_ids=((end_id,) if end_id is not None else ()) + tuple(r.ints(T.STOP_TOKEN_IDS)),
         guide=_guide(r),
+        logit_bias=tuple(zip(bias_ids, bias_values, strict=True)),
     )
     params.validate()
     return params

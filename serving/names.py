@@ -60,6 +60,10 @@ class Tensor(enum.StrEnum):
     FREQUENCY_PENALTY = "frequency_penalty"
     RETURN_LOG_PROBS = "return_log_probs"
     TOP_LOGPROBS = "top_logprobs"  # ours: alternatives per token with return_log_probs (0..20)
+    MIN_TOKENS = "min_tokens"  # ours (vLLM's name): EOS and stop ids are not sampled before this many tokens
+    STOP_TOKEN_IDS = "stop_token_ids"  # ours (vLLM's name): more ids than end_id's one that end the output
+    LOGIT_BIAS_IDS = "logit_bias_ids"  # ours: OpenAI's logit_bias as parallel arrays (ids, values in [-100, 100])
+    LOGIT_BIAS_VALUES = "logit_bias_values"
     PROMPT_LOGPROBS = "prompt_logprobs"  # ours (vLLM's name): each prompt token's log-probability + this many top
     NUM_RETURN_SEQUENCES = "num_return_sequences"
     STOP = "stop"  # TensorRT-LLM's: true stops the live requests named by this call's request id

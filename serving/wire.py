@@ -79,7 +79,8 @@ class SamplingInput:
     """One sampling input of the generating models: its port, and the ``SamplingParams`` field it
     carries as is (None: the codec maps it: ``stream``, ``stop_words`` -> ``stop``, ``end_id`` ->
     ``stop_token_ids``, ``return_log_probs`` + ``top_logprobs`` -> ``logprobs``,
-    ``guided_decoding_guide_type`` + ``guided_decoding_guide`` -> ``guide``, and the two that must be
+    ``guided_decoding_guide_type`` + ``guided_decoding_guide`` -> ``guide``, ``stop_token_ids`` (with
+    ``end_id``), ``logit_bias_ids`` + ``logit_bias_values`` -> ``logit_bias``, and the two that must be
     1). A new scalar sampling input is one line here (plus its ``SamplingParams`` field and the model
     configs, which a test holds to this table)."""
 
@@ -110,6 +111,10 @@ SAMPLING: tuple[SamplingInput, ...] = (  # TensorRT-LLM's names
     SamplingInput(Port(T.RETURN_LOG_PROBS, _B)),
     SamplingInput(Port(T.TOP_LOGPROBS, _I)),
     SamplingInput(Port(T.PROMPT_LOGPROBS, _I), "prompt_logprobs"),
+    SamplingInput(Port(T.MIN_TOKENS, _I), "min_tokens"),
+    SamplingInput(Port(T.STOP_TOKEN_IDS, _I, (-1,))),
+    SamplingInput(Port(T.LOGIT_BIAS_IDS, _I, (-1,))),
+    SamplingInput(Port(T.LOGIT_BIAS_VALUES, _F, (-1,))),
     SamplingInput(Port(T.NUM_RETURN_SEQUENCES, _I)),
 )
 SAMPLING_PORTS = tuple(s.port for s in SAMPLING)

@@ -39,6 +39,10 @@ def engine(tiny_engine_dir) -> LLMEngine:
         ([1, 2, 3], SamplingParams(stop=("",)), "stop strings must not be empty"),
         ([1, 2, 3], SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
         ([1, 2, 3], SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+        ([1, 2, 3], SamplingParams(logit_bias=((999, 1.0),)), r"logit_bias token id 999 is outside the vocabulary"),
+        ([1, 2, 3], SamplingParams(logit_bias=((5, float("nan")),)), "logit_bias holds at most"),
+        ([1, 2, 3], SamplingParams(min_tokens=-1), "min_tokens must be in"),
+        ([1, 2, 3], SamplingParams(stop_token_ids=(-3,)), "stop_token_ids holds"),
     ],
 )
 def test_bad_request_is_rejected_and_engine_keeps_serving(engine: LLMEngine, prompt, params, match: str) -> None:

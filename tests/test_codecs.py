@@ -37,7 +37,10 @@ params = st.builds(
     top_k=st.integers(0, 2**31 - 1),
     top_p=st.sampled_from([1e-40, 0.5, 1.0]),
     seed=st.none() | st.integers(0, 2**63 - 1),
-    stop_token_ids=st.sampled_from([(), (7,)]),
+    stop_token_ids=st.sampled_from([(), (7,), (7, 9, 11)]),
+    min_tokens=st.integers(0, 1),
+    logit_bias=st.lists(st.tuples(st.integers(0, 2**31 - 1), st.sampled_from([-100.0, -0.5, 0.0, 2.25, 100.0])),
+                        max_size=4).map(tuple),
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
     ignore_eos=st.booleans(),
     repetition_penalty=st.sampled_from([1.0, 1e-40, 1.3]),
@@ -163,7 +166,8 @@ def test_prefill_and_postprocessing_round_trip() -> None:
         (SamplingParams(max_tokens=2**31), "max_tokens 2147483648 does not fit INT32", "max_tokens"),
         (SamplingParams(logprobs=2**33), "logprobs must be in", "logprobs"),
         (SamplingParams(prompt_logprobs=21), "prompt_logprobs must be in", "prompt_logprobs"),
-        (SamplingParams(stop_token_ids=(1, 2)), "one end_id", None),
+        (SamplingParams(logit_bias=((1, 101.0),)), "logit_bias holds at most", "logit_bias"),
+        (SamplingParams(min_tokens=9, max_tokens=8), "min_tokens must be in", "min_tokens"),
     ],
 )
 def test_values_that_do_not_fit_their_wire_type_are_refused_by_name(params, match: str, param) -> None:
@@ -194,11 +198,17 @@ def test_every_wire_type_has_a_numpy_type_and_a_config_name() -> None:
 
 
 def test_every_sampling_field_travels_on_the_wire() -> None:
-    """Each ``SamplingParams`` field is carried by a declared sampling input (or by the four the
+    """Each ``SamplingParams`` field is carried by a declared sampling input (or by the five the
     codec maps), so a new field cannot be dropped on the way from the router to the engine."""
     from dataclasses import fields
 
     from serving.wire import SAMPLING
 
-    carried = {s.param for s in SAMPLING if s.param is not None} | {"stop", "stop_token_ids", "logprobs", "guide"}
+    carried = {s.param for s in SAMPLING if s.param is not None} | {
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "guide",
+        "logit_bias",
+    }
     assert {f.name for f in fields(SamplingParams)} == carried

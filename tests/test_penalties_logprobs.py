@@ -148,3 +148,28 @@ def test_prompt_logprobs_equal_hf_with_chunks_cache_and_preemption(smollm2_dir: 
                 )  # a tie may order the alternatives differently
         if pages == tight:
             assert engine.num_preemptions > 0
+
+
+def test_logit_bias_and_min_tokens_equal_hf(engine: LLMEngine, hf_smollm2, smollm2_dir: Path) -> None:
+    """``logit_bias`` is added to the logits (greedy then picks HF's argmax of logits + bias at every step);
+    ``min_tokens`` holds EOS back: a prompt whose greedy answer ends at once runs to ``min_tokens`` first."""
+    tok = Tokenizer(smollm2_dir)
+    prompt = tok.encode("Answer with one word: what is the capital of France?", chat=True)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=16))[0]
+    banned, boosted = plain[0], plain[1]
+    bias = ((banned, -100.0), (boosted, 5.0))
+    biased = engine.generate([prompt], SamplingParams(max_tokens=6, logit_bias=bias))[0]
+    seq = list(prompt)
+    with torch.no_grad():
+        for got in biased:
+            logits = hf_smollm2(torch.tensor([seq])).logits[0, -1].float()
+            for t, b in bias:
+                logits[t] += b
+            assert got == int(logits.argmax())
+            seq.append(got)
+    assert biased[0] != banned
+    eos = tok.eos_token_ids[0]
+    assert eos in plain and len(plain) < 12  # the plain answer is short
+    held = engine.generate([prompt], SamplingParams(max_tokens=24, min_tokens=12))[0]
+    assert len(held) >= 12 and eos not in held[:12]
+    assert held[: plain.index(eos)] == plain[: plain.index(eos)]  # the same until the EOS it held back

@@ -202,6 +202,9 @@ PLAUSIBLE = {  # values a careful or careless client sends; each field gets one 
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
     | st.fixed_dictionaries({"type": st.just("json_schema"),
                              "json_schema": st.fixed_dictionaries({"name": st.text(max_size=8), "schema": anything})}),
+    "min_tokens": st.integers(0, 4),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, 60000).map(str), st.floats(-100, 100), max_size=3),
     "guided_regex": st.text(max_size=12),
     "guided_choice": st.lists(st.text(max_size=6), max_size=3),
     "guided_json": anything,

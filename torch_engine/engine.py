@@ -40,7 +40,7 @@ from torch_engine.layer_progress import LayerProgress
 from torch_engine.loader import EngineDescription, kernel_path, load_weights, prepare_cpu_path, run_dtype, weight_bytes
 from torch_engine.model_runner import ModelRunner
 from torch_engine.models import cache_spec
-from torch_engine.outputs import Outputs, pick
+from torch_engine.outputs import Outputs
 from torch_engine.pages import PageAllocator, PageStats
 from torch_engine.parallel import TPGroup
 from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats, PrefixCache
@@ -244,7 +244,7 @@ class LLMEngine:
         for obs in self._observers:
             obs.before_step(sched)
         masks = self._outputs.prefetch(sched)  # grammar masks, computed while the forward pass runs
-        picks = pick(sched, self._runner.run(sched), self._runner.logits, self._spec, masks)
+        picks = self._outputs.pick(sched, self._runner.run(sched), self._runner.logits, self._spec, masks)
         if self._model.mtp is not None:
             self._spec.draft_pass(sched, picks, self._runner, len(self._scheduler.running))
         for obs in self._observers:

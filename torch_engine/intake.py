@@ -69,6 +69,11 @@ class Intake:
         else:
             ids = [int(t) for t in prompt]
         self.check(ids)
+        bad = next((t for t, _ in params.logit_bias if t >= self._vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {self._vocab})", "logit_bias"
+            )
         if params.stop and self._tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -12,7 +12,14 @@ import torch
 
 from torch_engine.guided import NO_MASKS, GuideError, MaskPrefetch, MaskWork, PendingMasks, apply_masks
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
-from torch_engine.sampling import InvalidRequestError, TokenLogprobs, apply_penalties, logprobs_of, sample
+from torch_engine.sampling import (
+    InvalidRequestError,
+    TokenLogprobs,
+    apply_biases,
+    apply_penalties,
+    logprobs_of,
+    sample,
+)
 from torch_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from torch_engine.speculator import Picked, Speculator
 from torch_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -28,8 +35,9 @@ def mask_work(sched: SchedulerOutput) -> MaskWork:
 
 
 def pick(
-    sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks = NO_MASKS
-) -> dict[int, Picked]:
+    sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks = NO_MASKS,
+    eos: frozenset[int] = frozenset(),
+) -> dict[int, Picked]:  # fmt: skip
     """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens
     (a prefill-only chunk whose last hidden state is wanted keeps it and its logits). ``masks``:
     the grammar masks of ``mask_work(sched)``, prefetched."""
@@ -60,6 +68,8 @@ def pick(
     chosen = logits[[last[id(c)] for c in sampled]].float()
     if any(p.penalized for p in params):
         apply_penalties(chosen, params, [(r.prompt_ids, r.output_ids) for r in reqs])
+    if any(p.biased for p in params):  # logit_bias; EOS (``eos``) and stop ids held back until min_tokens
+        apply_biases(chosen, params, [len(r.output_ids) for r in reqs], eos)
     failed: dict[int, str] = {}
     for j, c in enumerate(sampled):  # the grammar's mask last: no penalty can bring a masked token back
         if c.request.grammar is not None and (error := _constrain(chosen, [j], c, masks)) is not None:
@@ -120,6 +130,12 @@ class Outputs:
         self._max_model_len = max_model_len
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._masks = MaskPrefetch()
+
+    def pick(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks
+    ) -> dict[int, Picked]:
+        """``pick`` with this engine's EOS ids (what ``min_tokens`` holds back)."""
+        return pick(sched, hidden, logits_of, spec, masks, self._eos_ids)
 
     def prefetch(self, sched: SchedulerOutput) -> PendingMasks:
         """Start the step's grammar masks (``pick`` waits for them); call before the forward pass."""

@@ -47,6 +47,8 @@ class SamplingParams:
     speculate: bool | None = None  # None: the engine's default (``SpeculativeConfig.default``)
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share KV pages
     guide: Guide | None = None  # constrained decoding: the output follows this schema / grammar (``guided.py``)
+    min_tokens: int = 0  # EOS and stop token ids are not sampled before this many tokens (vLLM's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit (OpenAI's)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -79,6 +81,18 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}", name)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}", "min_tokens")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+            not isinstance(t, int) or t < 0 or not isinstance(b, int | float) or not -100 <= b <= 100
+            for t, b in self.logit_bias
+        ):
+            raise InvalidRequestError(
+                f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids >= 0, each with a bias in [-100, 100]",
+                "logit_bias",
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids) or len(self.stop_token_ids) > 64:
+            raise InvalidRequestError("stop_token_ids holds at most 64 token ids >= 0", "stop_token_ids")
         if self.guide is not None:
             try:
                 check_guide(self.guide)
@@ -94,8 +108,14 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def biased(self) -> bool:
+        """Its logits are shifted (``logit_bias``) or its stop tokens held back (``min_tokens``)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
+
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_CACHE_SALT = 256
 
 
@@ -119,6 +139,21 @@ class SamplerState:
         g = torch.Generator()
         g.manual_seed(seed)
         return cls(g)
+
+
+def apply_biases(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[int], stop_ids: frozenset[int]
+) -> None:
+    """``logit_bias`` added to each row's logits (``[S, V]``, in place), and, while a row has generated
+    fewer than ``min_tokens`` (``outputs``: how many it has), its EOS / stop token ids set to -inf."""
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            if token < vocab:
+                logits[i, token] += bias
+        if outputs[i] < p.min_tokens:
+            banned = [t for t in (*stop_ids, *p.stop_token_ids) if t < vocab]
+            logits[i, banned] = float("-inf")
 
 
 def apply_penalties(

@@ -51,12 +51,15 @@ class Speculator:
         return self._drafter is not None or self.mtp
 
     def may_draft(self, req: Request) -> bool:
-        """The request speculates: it opted in (or left it to the default), has no penalties (its
-        logits would depend on the tokens a draft adds), and has not given up (``give_up_after``
+        """The request speculates: it opted in (or left it to the default), has no penalties, logit
+        bias or min_tokens (its logits would depend on the tokens a draft adds, or drafts are verified
+        on the raw logits), and has not given up (``give_up_after``
         drafts in a row wholly rejected: drafting does not pay for this text)."""
         p, spec = req.params, self.config
         gave_up = spec.give_up_after is not None and req.spec.misses >= spec.give_up_after
-        return not p.penalized and not gave_up and (spec.default if p.speculate is None else p.speculate)
+        return (
+            not p.penalized and not p.biased and not gave_up and (spec.default if p.speculate is None else p.speculate)
+        )
 
     def reads_mtp_kv(self, req: Request) -> bool:
         """The request's pages need the MTP layer's KV (a model with an MTP module): it drafts with it,

@@ -135,6 +135,22 @@ def test_penalties_reach_the_engine(deployment: Launch, engine: LLMEngine) -> No
     assert got.choices[0].text == want != _want(engine, [prompt], chat=False, max_tokens=12)[0][0]
 
 
+def test_logit_bias_and_min_tokens_reach_the_engine(deployment: Launch, engine: LLMEngine) -> None:
+    tok = engine.tokenizer
+    assert tok is not None
+    prompt = "The capital of France is"
+    first = engine.generate([prompt], SamplingParams(max_tokens=1))[0][0]
+    want = tok.decode(engine.generate([prompt], SamplingParams(max_tokens=8, logit_bias=((first, -100.0),)))[0])
+    got = _client(deployment).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(first): -100}
+    )
+    assert got.choices[0].text == want
+    held = _client(deployment).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=30, temperature=0, extra_body={"min_tokens": 30}
+    )
+    assert held.usage is not None and held.usage.completion_tokens == 30
+
+
 def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -> None:
     r = _client(deployment).chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8, temperature=0,
