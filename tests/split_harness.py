@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from kv_messenger.decode_side import DecodeSide
@@ -123,11 +124,12 @@ class Cluster:
 
 def cluster(
     tiny_engine_dir, groups: int = 2, decode_pages: int = 256, grace_s: float = 30.0,
-    placement: PlacementSpec | None = None, tracer: Tracer | None = None,
+    placement: PlacementSpec | None = None, tracer: Tracer | None = None, engine_dir: Path | None = None,
 ) -> Cluster:  # fmt: skip
+    """``engine_dir``: every node's engine (default: the tiny llama); the decoder loads its tokenizer."""
     fabric = MemoryFabric()
-    kind = tiny_engine_dir("llama")
-    decode = tiny_engine(kind, num_pages=decode_pages)
+    kind = engine_dir or tiny_engine_dir("llama")
+    decode = tiny_engine(kind, num_pages=decode_pages, tokenizer=engine_dir is not None)
     dside = DecodeSide(
         fabric.agent("d0"),
         engine_layout(decode.kv_export()),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_engine
+from tests.split_harness import ScriptedCaller, cluster, wait_for
 from torch_engine.config import SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.guided import GrammarState, Guide, GuideError, GuideKind, apply_masks
@@ -180,3 +181,24 @@ def test_masks_set_exactly_the_disallowed_logits_to_minus_inf() -> None:
             want = before[r, t] if allowed[i, t] else float("-inf")
             assert logits[r, t] == want
     assert torch.equal(logits[1], before[1])
+
+
+def test_a_guided_request_across_the_split_survives_failover(
+    smollm2_dir: Path, tiny_engine_dir, engine: LLMEngine
+) -> None:
+    """The decoder owns the grammar: prefilled on group 0, whose call then times out (the decoder cannot
+    know it was taken), the request fails over to group 1 on fresh pages and still gives the colocated
+    constrained tokens; every page comes back."""
+    prompt = _prompt(engine, "Invent a person. Answer in JSON.")
+    params = SamplingParams(max_tokens=48, guide=SCHEMA)
+    want = engine.generate([prompt], params)[0]
+    c = cluster(tiny_engine_dir, engine_dir=smollm2_dir, decode_pages=64)
+    try:
+        ScriptedCaller.mode[0] = "timeout"
+        out = c.run({"v": prompt}, params)["v"]
+        assert out.error is None and out.output_ids == want
+        _person_ok(_text(engine, out.output_ids))
+        assert all(p.engine.cache_stats().queries >= 1 for p in c.prefills)  # both groups were asked: failover
+        wait_for(c.settled, what="every page back")
+    finally:
+        c.stop()
