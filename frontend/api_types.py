@@ -4,21 +4,26 @@ Requests reject unknown fields and out-of-range values with a message that names
 (OpenAI answers those with HTTP 400 ``invalid_request_error``). A request asks for at most
 ``MAX_CHOICES`` choices (``n`` per prompt; ``/v1/completions`` takes a list of prompts).
 
-Structured output: OpenAI's ``response_format`` (``json_schema``, ``json_object``, ``text``), vLLM's
-``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar``) and its older ``guided_json`` /
-``guided_regex`` / ``guided_choice`` / ``guided_grammar``, SGLang's ``regex`` / ``ebnf`` / ``json_schema``;
-at most one of them per request (``Guided.guided``). ``grammar`` and ``ebnf`` are GBNF (vLLM's and
-SGLang's xgrammar dialect); ``structured_outputs.grammar`` starting with ``%llguidance`` is Lark.
+Structured output and tools: ``api_guided.py``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from torch_engine.guided import Guide, GuideKind
+from frontend.api_guided import (
+    Guided,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    json_or_text,
+    schema_guide,
+    tool_call_schema,
+)
+from torch_engine.guided import Guide
 from torch_engine.sampling import MAX_CACHE_SALT, MAX_LOGIT_BIAS
 
 MAX_CHOICES = 64  # n x prompts of one request
@@ -29,117 +34,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = Field(default=False, description="extension (vLLM): usage on every chunk")
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a json_schema object")
-        return self
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` (one of its fields)."""
-
-    model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> StructuredOutputs:
-        if sum(v is not None for v in (self.json_, self.regex, self.choice, self.grammar)) != 1:
-            raise ValueError("set exactly one of json, regex, choice, grammar")
-        return self
-
-    @property
-    def guide(self) -> Guide:
-        if self.json_ is not None:
-            return _schema_guide(self.json_)
-        if self.regex is not None:
-            return Guide(GuideKind.REGEX, self.regex)
-        return _choice_guide(self.choice) if self.choice is not None else _grammar_guide(self.grammar or "")
-
-
-def _choice_guide(choices: list[str]) -> Guide:
-    """One of ``choices`` exactly: a Lark alternation of JSON-quoted literals."""
-    return Guide(GuideKind.LARK, "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
-
-
-def _grammar_guide(text: str) -> Guide:
-    return Guide(GuideKind.LARK if text.lstrip().startswith("%llguidance") else GuideKind.EBNF, text)
-
-
-def _schema_guide(schema: dict[str, Any] | str) -> Guide:
-    return Guide(GuideKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
-
-
-def _regex_guide(regex: str) -> Guide:
-    return Guide(GuideKind.REGEX, regex)
-
-
-def _ebnf_guide(text: str) -> Guide:
-    return Guide(GuideKind.EBNF, text)
-
-
-class Guided(BaseModel):
-    """The structured-output fields of both routes (``guided``: the one set, as the engine's ``Guide``)."""
-
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = Field(default=None, description="extension (vLLM)")
-    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension (vLLM, older)")
-    guided_regex: str | None = Field(default=None, description="extension (vLLM, older)")
-    guided_choice: list[str] | None = Field(default=None, min_length=1, description="extension (vLLM, older)")
-    guided_grammar: str | None = Field(default=None, description="extension (vLLM, older)")
-    regex: str | None = Field(default=None, description="extension (SGLang)")
-    ebnf: str | None = Field(default=None, description="extension (SGLang)")
-    json_schema: str | None = Field(default=None, description="extension (SGLang): a JSON schema as a string")
-
-    @model_validator(mode="after")
-    def _at_most_one(self) -> Guided:
-        named = self._guides()
-        if len(named) > 1:
-            raise ValueError(f"at most one structured-output field per request, got {', '.join(named)}")
-        return self
-
-    def _guides(self) -> dict[str, Guide]:
-        found: dict[str, Guide] = {}
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            found["response_format"] = Guide(GuideKind.JSON)
-        elif rf is not None and rf.json_schema is not None:
-            found["response_format"] = _schema_guide(rf.json_schema.json_schema or {})
-        if self.structured_outputs is not None:
-            found["structured_outputs"] = self.structured_outputs.guide
-        makers: list[tuple[str, Any, Any]] = [
-            ("guided_json", self.guided_json, _schema_guide), ("guided_regex", self.guided_regex, _regex_guide),
-            ("guided_choice", self.guided_choice, _choice_guide),
-            ("guided_grammar", self.guided_grammar, _grammar_guide),
-            ("regex", self.regex, _regex_guide), ("ebnf", self.ebnf, _ebnf_guide),
-            ("json_schema", self.json_schema, _schema_guide),
-        ]  # fmt: skip
-        found |= {name: make(value) for name, value, make in makers if value is not None}
-        return found
-
-    @property
-    def guided(self) -> tuple[str, Guide] | None:
-        """(the field that set it, the guide), or None."""
-        named = self._guides()
-        return next(iter(named.items()), None)
 
 
 class ContentPart(BaseModel):
@@ -219,17 +113,6 @@ class _Request(Guided):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, ...: accepted, not used
 
@@ -242,60 +125,12 @@ class ChatMessage(BaseModel):
         """What the chat template renders: the content, or an assistant's calls as the JSON it emitted."""
         if self.tool_calls and not self.content:
             return "\n".join(
-                json.dumps({"name": c.function.name, "arguments": _json_or_text(c.function.arguments)})
+                json.dumps({"name": c.function.name, "arguments": json_or_text(c.function.arguments)})
                 for c in self.tool_calls
             )
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
-
-
-def _json_or_text(text: str) -> object:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class ToolName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: ToolName
-
-
-def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
-    """The JSON a tool call is written as: ``{"name": <one of the tools>, "arguments": <its parameters>}``."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 class ChatCompletionRequest(_Request):
@@ -336,7 +171,7 @@ class ChatCompletionRequest(_Request):
     def _guides(self) -> dict[str, Guide]:
         found = super()._guides()
         if self.called:
-            found["tool_choice"] = _schema_guide(tool_call_schema(self.called))
+            found["tool_choice"] = schema_guide(tool_call_schema(self.called))
         return found
 
     @property

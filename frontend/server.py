@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -25,7 +25,6 @@ from pydantic import BaseModel, ValidationError
 from frontend import choices
 from frontend.api_types import (
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,23 +33,20 @@ from frontend.api_types import (
     ChatResponseMessage,
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
-    FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     StreamedToolCall,
-    TokenLogprob,
-    ToolCall,
     Usage,
 )
 from frontend.config import RouterConfig
 from frontend.generation import ApiError, Delta, Generator, Outcome
 from frontend.groups import GroupPool
 from frontend.metrics import RouterMetrics
+from frontend.responses import chat_chunk, completion_chunk, completion_logprobs, reason_of, tool_call
 
 log = logging.getLogger("frontend.server")
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
@@ -259,12 +255,12 @@ class Router:
         text = "".join(d.text for d in r.deltas)
         lps = [lp for d in r.deltas for lp in d.logprobs]
         logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
-        call = _tool_call(req, text, r.outcome, f"call_{self.gen.request_id('')[1:]}_{index}")
+        call = tool_call(req, text, r.outcome, f"call_{self.gen.request_id('')[1:]}_{index}")
         if call is not None:
             message = ChatResponseMessage(content=None, tool_calls=[call])
             return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason="tool_calls")
         message = ChatResponseMessage(content=text)
-        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=_reason(r.outcome))
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason_of(r.outcome))
 
     async def _stream_call(
         self, request: web.Request, req: ChatCompletionRequest, deltas: list[Delta], outcome: Outcome, rid: str,
@@ -278,8 +274,8 @@ class Router:
         ] or None)  # fmt: skip
         response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
         await response.prepare(request)
-        await response.write(_sse(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""))))
-        await response.write(_sse(_chat_chunk(rid, created, req.model, delta, choice.finish_reason)))
+        await response.write(_sse(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""))))
+        await response.write(_sse(chat_chunk(rid, created, req.model, delta, choice.finish_reason)))
         if req.include_usage:
             usage = ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=outcome.usage)
             await response.write(_sse(usage))
@@ -297,9 +293,9 @@ class Router:
         prompt_text = self._prompt_text(req.prompts[r.prompt])
         prompt_lps = next((d.prompt for d in r.deltas if d.prompt), []) if req.echo else []
         first = self.gen.tokenizer.decode(ids[:1])
-        logprobs = _completion_logprobs(req, lps, len(prompt_text), prompt_lps, first)
+        logprobs = completion_logprobs(req, lps, len(prompt_text), prompt_lps, first)
         text = (prompt_text if req.echo else "") + text
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=_reason(r.outcome))
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason_of(r.outcome))
 
     def _prompt_text(self, p: str | list[int]) -> str:
         return p if isinstance(p, str) else self.gen.tokenizer.decode([int(t) for t in p])
@@ -330,22 +326,22 @@ class Router:
         async with contextlib.aclosing(deltas) as ds:
             try:
                 if chat:
-                    await send(_chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
+                    await send(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
                 elif req.echo:  # type: ignore[union-attr]
-                    await send(_completion_chunk(rid, created, req.model, prompt_text, None))
+                    await send(completion_chunk(rid, created, req.model, prompt_text, None))
                 continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
                 async for d in ds:
-                    reason = _reason(outcome) if outcome.finish_reason else None
+                    reason = reason_of(outcome) if outcome.finish_reason else None
                     usage = outcome.usage if continuous else None
                     chunk: ChatCompletionChunk | Completion
                     if chat:
                         logprobs = ChatLogprobs(content=d.logprobs) if d.logprobs else None
-                        chunk = _chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs)
+                        chunk = chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs)
                     else:
                         prompt = d.prompt if req.echo else []  # type: ignore[union-attr]
-                        lps = _completion_logprobs(req, d.logprobs, offset, prompt, first)  # type: ignore[arg-type]
+                        lps = completion_logprobs(req, d.logprobs, offset, prompt, first)  # type: ignore[arg-type]
                         offset += sum(len(lp.token) for lp in d.logprobs)
-                        chunk = _completion_chunk(rid, created, req.model, d.text, reason, lps)
+                        chunk = completion_chunk(rid, created, req.model, d.text, reason, lps)
                     chunk.usage = usage
                     await send(chunk)
             except ApiError as e:
@@ -364,74 +360,6 @@ class Router:
         self.metrics.requests.labels(_route(request), "200").inc()
         assert response is not None
         return response
-
-
-def _tool_call(req: ChatCompletionRequest, text: str, outcome: Outcome, call_id: str) -> ToolCall | None:
-    """A forced tool call's JSON (the grammar wrote it) as OpenAI's ``tool_calls`` entry; None when no
-    call was forced, or the text was cut by ``max_tokens`` (it stays content, ``finish_reason: length``)."""
-    if not req.called or outcome.finish_reason == "length":
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    return ToolCall(id=call_id, function=FunctionCall(name=value["name"], arguments=json.dumps(value.get("arguments"))))
-
-
-def _reason(outcome: Outcome) -> Literal["stop", "length"]:
-    return "length" if outcome.finish_reason == "length" else "stop"
-
-
-def _chat_chunk(
-    rid: str, created: int, model: str, delta: ChatDelta, reason: Literal["stop", "length", "tool_calls"] | None = None,
-    logprobs: ChatLogprobs | None = None,
-) -> ChatCompletionChunk:  # fmt: skip
-    choice = ChatChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)
-    return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
-
-
-def _completion_chunk(
-    rid: str, created: int, model: str, text: str, reason: Literal["stop", "length"] | None,
-    logprobs: CompletionLogprobs | None = None,
-) -> Completion:  # fmt: skip
-    choice = CompletionChoice(text=text, finish_reason=reason, logprobs=logprobs)
-    return Completion(id=rid, created=created, model=model, choices=[choice])
-
-
-def _completion_logprobs(
-    req: CompletionRequest, lps: list[TokenLogprob], start: int, prompt: list[TokenLogprob | None] | None = None,
-    first: str = "",
-) -> CompletionLogprobs | None:  # fmt: skip
-    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}; ``text_offset``
-    counts characters of the prompt + completion text (the completion's tokens from ``start``, the
-    prompt's length); with ``echo`` the prompt's tokens come first (the first one, ``first``, without a
-    log-probability)."""
-    if req.logprobs is None:
-        return None
-    tokens: list[str] = []
-    values: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    at = 0
-    for lp in prompt or []:
-        token = lp.token if lp is not None else first
-        tokens.append(token)
-        values.append(lp.logprob if lp is not None else None)
-        tops.append({t.token: t.logprob for t in lp.top_logprobs} if lp is not None else None)
-        offsets.append(at)
-        at += len(token)
-    at = start
-    for lp in lps:
-        tokens.append(lp.token)
-        values.append(lp.logprob)
-        tops.append({t.token: t.logprob for t in lp.top_logprobs})
-        offsets.append(at)
-        at += len(lp.token)
-    return CompletionLogprobs(
-        tokens=tokens, token_logprobs=values, top_logprobs=tops if req.logprobs else None, text_offset=offsets
-    )
 
 
 def serve(cfg: RouterConfig) -> None:
