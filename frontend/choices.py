@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from frontend.generation import Delta, Generator, Outcome
@@ -29,16 +29,22 @@ class Ran:
     outcome: Outcome
 
 
+Sink = Callable[[int, Delta, Outcome], None]  # (choice index, a delta of it, its outcome so far)
+
+
 async def collect(
     gen: Generator, ids: list[int], s: SamplingParams, rid: str, outcome: Outcome,
-    started: asyncio.Event | None = None, prefer: str | None = None,
+    started: asyncio.Event | None = None, prefer: str | None = None, sink: Callable[[Delta], None] | None = None,
 ) -> list[Delta]:  # fmt: skip
-    """All of one choice's deltas (``started`` is set at its first, or when it ends without one)."""
+    """All of one choice's deltas (``started`` is set at its first, or when it ends without one;
+    ``sink`` gets each as it comes: streaming)."""
     out: list[Delta] = []
     try:
         async with contextlib.aclosing(gen.deltas(ids, s, rid, outcome, prefer)) as deltas:
             async for d in deltas:
                 out.append(d)
+                if sink is not None:
+                    sink(d)
                 if started is not None:
                     started.set()
     finally:
@@ -58,19 +64,26 @@ def seeded(s: SamplingParams, j: int) -> SamplingParams:
     return s if j == 0 or s.seed is None else dataclasses.replace(s, seed=(s.seed + j) % 2**63)
 
 
-async def run(gen: Generator, prompts: list[list[int]], s: SamplingParams, rid: str, n: int) -> list[Ran]:
-    """Every choice (``n`` per prompt, in order: prompt 0's, then prompt 1's, ...)."""
+async def run(
+    gen: Generator, prompts: list[list[int]], s: SamplingParams, rid: str, n: int, sink: Sink | None = None
+) -> list[Ran]:
+    """Every choice (``n`` per prompt, in order: prompt 0's, then prompt 1's, ...); ``sink`` gets every
+    delta as it comes, with its choice's index."""
+
+    def to(i: int, outcome: Outcome) -> Callable[[Delta], None] | None:
+        return None if sink is None else lambda d: sink(i, d, outcome)
 
     async def follow(p: int, j: int, outcome: Outcome, started: asyncio.Event, lead: Outcome) -> list[Delta]:
         await started.wait()
-        return await collect(gen, prompts[p], seeded(s, j), f"{rid}-{p}-{j}", outcome, prefer=lead.group)
+        i = p * n + j
+        return await collect(gen, prompts[p], seeded(s, j), f"{rid}-{p}-{j}", outcome, None, lead.group, to(i, outcome))
 
     runs: list[Ran] = []
     tasks: list[asyncio.Task[list[Delta]]] = []
     for p, ids in enumerate(prompts):
         lead, started = Outcome(prompt_tokens=len(ids)), asyncio.Event()
         runs.append(Ran(p, [], lead))
-        tasks.append(asyncio.create_task(collect(gen, ids, s, f"{rid}-{p}-0", lead, started)))
+        tasks.append(asyncio.create_task(collect(gen, ids, s, f"{rid}-{p}-0", lead, started, sink=to(p * n, lead))))
         for j in range(1, n):
             outcome = Outcome(prompt_tokens=len(ids))
             runs.append(Ran(p, [], outcome))

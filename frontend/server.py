@@ -24,29 +24,34 @@ from pydantic import BaseModel, ValidationError
 
 from frontend import choices
 from frontend.api_types import (
-    ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
-    ChatResponseMessage,
     Completion,
-    CompletionChoice,
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
-    StreamedToolCall,
-    Usage,
 )
 from frontend.config import RouterConfig
 from frontend.generation import ApiError, Delta, Generator, Outcome
 from frontend.groups import GroupPool
 from frontend.metrics import RouterMetrics
-from frontend.responses import chat_chunk, completion_chunk, completion_logprobs, reason_of, tool_call
+from frontend.responses import (
+    Reason,
+    chat_choice,
+    chat_chunk,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    reason_of,
+    tool_call_events,
+    usage_of,
+)
+from torch_engine.sampling import SamplingParams
 
 log = logging.getLogger("frontend.server")
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
@@ -229,73 +234,96 @@ class Router:
                 return await self._stream(request, req, deltas, outcome, rid, traced, prompts[0])
             runs = [choices.Ran(0, await choices.collect(self.gen, prompts[0], sampling, traced, outcome), outcome)]
         elif req.stream:
-            raise ApiError(
-                400, "streaming several choices (n > 1, or a list of prompts) is not supported", param="stream"
-            )
+            return await self._stream_many(request, req, prompts, sampling, rid, traced)
         else:
             runs = await choices.run(self.gen, prompts, sampling, traced, req.n)
         self.metrics.requests.labels(_route(request), "200").inc()
-        leads = [r.outcome for i, r in enumerate(runs) if i % req.n == 0]  # each prompt counted once
-        completed = 0 if getattr(req, "scores_only", False) else sum(r.outcome.completion_tokens for r in runs)
-        usage = Usage(
-            prompt_tokens=sum(o.prompt_tokens for o in leads), completion_tokens=completed,
-            total_tokens=sum(o.prompt_tokens for o in leads) + completed,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in leads)),
-        )  # fmt: skip
+        usage = usage_of([r.outcome for r in runs], req.n, getattr(req, "scores_only", False))
         now = int(time.time())
         if isinstance(req, ChatCompletionRequest):
-            chat = [self._chat_choice(req, i, r) for i, r in enumerate(runs)]
+            chat = [chat_choice(req, i, r, self._call_id(i)) for i, r in enumerate(runs)]
             body: BaseModel = ChatCompletion(id=rid, created=now, model=req.model, choices=chat, usage=usage)
         else:
-            texts = [self._completion_choice(req, i, r, prompts[r.prompt]) for i, r in enumerate(runs)]
+            texts = [
+                completion_choice(req, i, r, self._prompt_text(req.prompts[r.prompt]), self._first(prompts[r.prompt]))
+                for i, r in enumerate(runs)
+            ]
             body = Completion(id=rid, created=now, model=req.model, choices=texts, usage=usage)
         return _json(body, headers={REQUEST_ID: traced})
 
-    def _chat_choice(self, req: ChatCompletionRequest, index: int, r: choices.Ran) -> ChatChoice:
-        text = "".join(d.text for d in r.deltas)
-        lps = [lp for d in r.deltas for lp in d.logprobs]
-        logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
-        call = tool_call(req, text, r.outcome, f"call_{self.gen.request_id('')[1:]}_{index}")
-        if call is not None:
-            message = ChatResponseMessage(content=None, tool_calls=[call])
-            return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason="tool_calls")
-        message = ChatResponseMessage(content=text)
-        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason_of(r.outcome))
+    async def _stream_many(
+        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
+        s: SamplingParams, rid: str, traced: str,
+    ) -> web.StreamResponse:  # fmt: skip
+        """Several choices streamed: each chunk carries one choice's delta under its ``index`` (chat: a
+        role chunk first, completions with ``echo``: the prompt first); an error before the first byte
+        is still an HTTP error."""
+        chat, created, n = isinstance(req, ChatCompletionRequest), int(time.time()), req.n
+        queue: asyncio.Queue[tuple[int, Delta, Reason | None] | None] = asyncio.Queue()
+
+        def sink(i: int, d: Delta, o: Outcome) -> None:  # the finish reason as of this delta
+            queue.put_nowait((i, d, reason_of(o) if o.finish_reason else None))
+
+        task = asyncio.create_task(choices.run(self.gen, prompts, s, traced, n, sink))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        response: web.StreamResponse | None = None
+        seen: set[int] = set()
+        try:
+            while (item := await queue.get()) is not None:
+                i, d, why = item
+                if response is None:
+                    response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
+                    await response.prepare(request)
+                if chat:
+                    if i not in seen:
+                        await response.write(
+                            _sse(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""), index=i))
+                        )
+                    chunk: BaseModel = chat_chunk(rid, created, req.model, ChatDelta(content=d.text), why, index=i)
+                else:
+                    echo = self._prompt_text(req.prompts[i // n]) if req.echo and i not in seen else ""  # type: ignore[union-attr]
+                    chunk = completion_chunk(rid, created, req.model, echo + d.text, why, index=i)
+                seen.add(i)
+                await response.write(_sse(chunk))
+            runs = await task
+        except ApiError as e:
+            if response is None:
+                raise
+            await response.write(_sse(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code))))
+            await response.write(_sse("[DONE]"))
+            return response
+        finally:
+            if not task.done():
+                task.cancel()
+        assert response is not None
+        if req.include_usage:
+            usage = usage_of([r.outcome for r in runs], n, getattr(req, "scores_only", False))
+            tail = (ChatCompletionChunk if chat else Completion)(
+                id=rid, created=created, model=req.model, choices=[], usage=usage
+            )
+            await response.write(_sse(tail))
+        await response.write(_sse("[DONE]"))
+        self.metrics.requests.labels(_route(request), "200").inc()
+        return response
 
     async def _stream_call(
         self, request: web.Request, req: ChatCompletionRequest, deltas: list[Delta], outcome: Outcome, rid: str,
         traced: str,
     ) -> web.StreamResponse:  # fmt: skip
         """A forced tool call, streamed as OpenAI streams one: the role, the whole call in one delta, the end."""
-        choice = self._chat_choice(req, 0, choices.Ran(0, deltas, outcome))
-        created, message = int(time.time()), choice.message
-        delta = ChatDelta(content=message.content, tool_calls=[
-            StreamedToolCall(index=0, **c.model_dump()) for c in message.tool_calls or []
-        ] or None)  # fmt: skip
+        choice = chat_choice(req, 0, choices.Ran(0, deltas, outcome), self._call_id(0))
         response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
         await response.prepare(request)
-        await response.write(_sse(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""))))
-        await response.write(_sse(chat_chunk(rid, created, req.model, delta, choice.finish_reason)))
-        if req.include_usage:
-            usage = ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=outcome.usage)
-            await response.write(_sse(usage))
-        await response.write(_sse("[DONE]"))
+        for payload in tool_call_events(req, choice, outcome, rid):
+            await response.write(_sse(payload))
         self.metrics.requests.labels(_route(request), "200").inc()
         return response
 
-    def _completion_choice(
-        self, req: CompletionRequest, index: int, r: choices.Ran, ids: list[int]
-    ) -> CompletionChoice:
-        """One completion choice; with ``echo`` its text starts with the prompt and its log-probabilities with the
-        prompt's (the first token's None), ``max_tokens: 0`` keeps the prompt only."""
-        text = "" if req.scores_only else "".join(d.text for d in r.deltas)
-        lps = [] if req.scores_only else [lp for d in r.deltas for lp in d.logprobs]
-        prompt_text = self._prompt_text(req.prompts[r.prompt])
-        prompt_lps = next((d.prompt for d in r.deltas if d.prompt), []) if req.echo else []
-        first = self.gen.tokenizer.decode(ids[:1])
-        logprobs = completion_logprobs(req, lps, len(prompt_text), prompt_lps, first)
-        text = (prompt_text if req.echo else "") + text
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason_of(r.outcome))
+    def _call_id(self, index: int) -> str:
+        return f"call_{self.gen.request_id('')[1:]}_{index}"
+
+    def _first(self, ids: list[int]) -> str:
+        return self.gen.tokenizer.decode(ids[:1])
 
     def _prompt_text(self, p: str | list[int]) -> str:
         return p if isinstance(p, str) else self.gen.tokenizer.decode([int(t) for t in p])

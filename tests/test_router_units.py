@@ -184,3 +184,23 @@ def test_n_choices_follow_their_first_on_its_group_after_its_first_token(smollm2
     usage = answer["usage"]
     assert usage["prompt_tokens"] == sum(len(ids) for ids in {ids for _, ids, _ in calls})  # each prompt once
     assert usage["completion_tokens"] == 6 * 3
+
+
+def test_several_choices_stream_under_their_index(smollm2_dir, monkeypatch) -> None:
+    body = {"prompt": ["one two", "three"], "n": 2, "stream": True, "echo": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    status, text, _ = run(smollm2_dir, {"a": healthy, "b": healthy}, monkeypatch, body)
+    assert status == 200, text
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for i, got in by_index.items():
+        assert got[0]["text"].startswith(("one two", "three")[i // 2])  # echo: the prompt first
+        assert [c["finish_reason"] for c in got][-1] == "length" and all(c["finish_reason"] is None for c in got[:-1])
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 4 * 3
