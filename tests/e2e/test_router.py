@@ -168,7 +168,6 @@ def test_logprobs_of_greedy_tokens_are_the_top_alternative(deployment: Launch) -
     ("fields", "status", "code"),
     [
         ({"n": 65}, 400, None),
-        ({"n": 2, "stream": True}, 400, None),
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f"}}],
