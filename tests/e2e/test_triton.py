@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -316,3 +317,27 @@ def test_stop_words_cut_the_text(server: TritonServer, reference: str) -> None:
     status, body = http_generate(server, {"text_input": PROMPT, "max_tokens": 12, "stop_words": [stop]})
     assert status == 200, body
     assert json.loads(body)["text_output"] == reference[: reference.index(stop)]
+
+
+def test_guided_decoding_inputs_as_tensorrt_llm_clients_send_them(server: TritonServer) -> None:
+    """TensorRT-LLM's ``guided_decoding_guide_type`` / ``guided_decoding_guide``: on ``ensemble`` with its
+    shapes (gRPC), on ``llm`` through Triton's generate endpoint; a bad guide is an error naming it."""
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    guide = {
+        "guided_decoding_guide_type": np.array([[b"regex"]], dtype=np.object_),
+        "guided_decoding_guide": np.array([[phone.encode()]], dtype=np.object_),
+        "max_tokens": np.array([[30]], dtype=np.int32),
+    }
+    pieces, errors = grpc_stream(server, trtllm_inputs("My phone number is", stream=False) | guide, model="ensemble")
+    assert not errors and re.fullmatch(phone, pieces[0].removeprefix("My phone number is")), pieces
+    body = {
+        "text_input": "Describe a cat as JSON.", "max_tokens": 40, "guided_decoding_guide_type": "json_schema",
+        "guided_decoding_guide": json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
+                                             "required": ["name"], "additionalProperties": False}),
+    }  # fmt: skip
+    status, text = http_generate(server, body)
+    assert status == 200 and set(json.loads(json.loads(text)["text_output"])) == {"name"}, text
+    status, text = http_generate(server, body | {"guided_decoding_guide": "{nope"})
+    assert status >= 400 and "invalid json_schema guide" in text
+    status, text = http_generate(server, {"text_input": "x", "max_tokens": 2, "guided_decoding_guide_type": "xml"})
+    assert status >= 400 and "guided_decoding_guide_type 'xml' is not supported" in text
