@@ -22,7 +22,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from frontend import choices
+from frontend import choices, tokenize
 from frontend.api_types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -122,6 +122,7 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        app.add_routes(tokenize.routes(self.gen, self.cfg.model_name))
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_route)
         app.on_startup.append(self._start)
@@ -397,7 +398,9 @@ def serve(cfg: RouterConfig) -> None:
     web.run_app(router.app(), host=cfg.host, port=cfg.spec.port, handler_cancellation=True, print=None)
 
 
-ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"))
+ROUTES = frozenset(
+    ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+)
 MODEL_ROUTE = "/v1/models/{model}"
 
 

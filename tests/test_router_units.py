@@ -204,3 +204,33 @@ def test_several_choices_stream_under_their_index(smollm2_dir, monkeypatch) -> N
         assert [c["finish_reason"] for c in got][-1] == "length" and all(c["finish_reason"] is None for c in got[:-1])
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 4 * 3
+
+
+def test_tokenize_and_detokenize_use_the_deployment_tokenizer(smollm2_dir) -> None:
+    cfg = RouterConfig(spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
+                       groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")])  # fmt: skip
+    router = Router(cfg, ScriptedPool.of(cfg.groups))
+    tok = router.gen.tokenizer
+
+    async def go() -> list[tuple[int, dict[str, Any]]]:
+        async with TestClient(TestServer(router.app())) as client:
+            out = []
+            for path, body in (
+                ("/tokenize", {"model": "smollm2", "prompt": "Hello world"}),
+                ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                ("/detokenize", {"tokens": tok.encode("Hello world")}),
+                ("/detokenize", {"tokens": [10**9]}),
+                ("/tokenize", {"prompt": "x", "messages": []}),
+                ("/tokenize", {"model": "gpt-4o", "prompt": "x"}),
+            ):
+                r = await client.post(path, json=body)
+                out.append((r.status, await r.json()))
+            return out
+
+    (s1, a), (s2, b), (s3, c), (s4, d), (s5, e), (s6, f) = asyncio.run(go())
+    assert s1 == 200 and a["tokens"] == tok.encode("Hello world") and a["count"] == len(a["tokens"])
+    assert s2 == 200 and b["tokens"] == tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert s3 == 200 and c["prompt"] == "Hello world"
+    assert s4 == 400 and "outside the vocabulary" in d["error"]["message"]
+    assert s5 == 400 and "exactly one of prompt and messages" in e["error"]["message"]
+    assert s6 == 404 and f["error"]["code"] == "model_not_found"

@@ -1,0 +1,92 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the deployment's own tokenizer over HTTP (clients count and
+build token-id prompts with it; lm-eval's remote tokenizer asks for it). The same chat template and
+vocabulary checks as the generation routes; errors in OpenAI's shape (the server's middleware)."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from frontend.api_types import ChatMessage
+from frontend.generation import ApiError, Generator
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _read(request: web.Request, kind: type[M]) -> M:
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413, f"the body is larger than {request.client_max_size} bytes", code="request_too_large"
+        ) from None
+    try:
+        raw = json.loads(body.decode("utf-8"))
+        return kind.model_validate(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid UTF-8 JSON: {type(exc).__name__}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{field or 'request'}: {first['msg']}", param=field) from None
+
+
+def routes(gen: Generator, model_name: str) -> list[web.RouteDef]:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found", param="model")
+
+    async def tokenize(request: web.Request) -> web.Response:
+        req = await _read(request, TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send exactly one of prompt and messages")
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = gen.tokenizer.encode_chat(messages)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+        else:
+            ids = list(gen.tokenizer.hf.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+        body = TokenizeResponse(count=len(ids), tokens=ids)
+        return web.Response(text=body.model_dump_json(), content_type="application/json")
+
+    async def detokenize(request: web.Request) -> web.Response:
+        req = await _read(request, DetokenizeRequest)
+        check_model(req.model)
+        vocab = len(gen.tokenizer.hf)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        body = DetokenizeResponse(prompt=gen.tokenizer.decode(req.tokens))
+        return web.Response(text=body.model_dump_json(), content_type="application/json")
+
+    return [web.post("/tokenize", tokenize), web.post("/detokenize", detokenize)]
