@@ -187,6 +187,10 @@ class ChatCompletionRequest(_Request):
     def num_prompt_logprobs(self) -> None:
         return None
 
+    @property
+    def width(self) -> int:
+        return self.n
+
 
 Prompt = str | list[int]
 
@@ -196,6 +200,7 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt only")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1, description="generate this many per prompt, return the n best")
 
     @field_validator("prompt")
     @classmethod
@@ -213,9 +218,18 @@ class CompletionRequest(_Request):
     def _check(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 needs echo (it scores the prompt only)")
-        if len(self.prompts) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.width > self.n and self.stream:
+            raise ValueError("best_of above n cannot stream (the best are known only at the end)")
+        if len(self.prompts) * self.width > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x {self.width} choices is more than {MAX_CHOICES}")
         return self
+
+    @property
+    def width(self) -> int:
+        """Choices generated per prompt (``best_of``, else ``n``)."""
+        return self.best_of or self.n
 
     @property
     def prompts(self) -> list[Prompt]:

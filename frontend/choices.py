@@ -98,3 +98,13 @@ async def run(
     for r, deltas in zip(runs, results, strict=True):
         r.deltas = deltas
     return runs
+
+
+def best(runs: list[Ran], n: int, width: int) -> list[Ran]:
+    """``best_of``: per prompt, the ``n`` of its ``width`` choices with the highest cumulative
+    log-probability of their tokens, best first (vLLM's and OpenAI's rule)."""
+    out: list[Ran] = []
+    for start in range(0, len(runs), width):
+        mine = runs[start : start + width]
+        out += sorted(mine, key=lambda r: -sum(lp.logprob for d in r.deltas for lp in d.logprobs))[:n]
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -225,7 +226,7 @@ class Router:
             raise ApiError(400, "the prompt is empty: it has no tokens", param=param)
         sampling = self.gen.sampling(req)
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
-        if len(prompts) * req.n == 1:
+        if len(prompts) * req.width == 1:
             outcome = Outcome(prompt_tokens=len(prompts[0]))
             if req.stream and isinstance(req, ChatCompletionRequest) and req.called:
                 deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
@@ -237,9 +238,11 @@ class Router:
         elif req.stream:
             return await self._stream_many(request, req, prompts, sampling, rid, traced)
         else:
-            runs = await choices.run(self.gen, prompts, sampling, traced, req.n)
+            scored = dataclasses.replace(sampling, logprobs=sampling.logprobs or 0) if req.width > req.n else sampling
+            runs = await choices.run(self.gen, prompts, scored, traced, req.width)
         self.metrics.requests.labels(_route(request), "200").inc()
-        usage = usage_of([r.outcome for r in runs], req.n, getattr(req, "scores_only", False))
+        usage = usage_of([r.outcome for r in runs], req.width, getattr(req, "scores_only", False))
+        runs = choices.best(runs, req.n, req.width) if req.width > req.n else runs
         now = int(time.time())
         if isinstance(req, ChatCompletionRequest):
             chat = [chat_choice(req, i, r, self._call_id(i)) for i, r in enumerate(runs)]

@@ -234,3 +234,27 @@ def test_tokenize_and_detokenize_use_the_deployment_tokenizer(smollm2_dir) -> No
     assert s4 == 400 and "outside the vocabulary" in d["error"]["message"]
     assert s5 == 400 and "exactly one of prompt and messages" in e["error"]["message"]
     assert s6 == 404 and f["error"]["code"] == "model_not_found"
+
+
+def test_best_of_returns_the_n_most_likely_choices(smollm2_dir, monkeypatch) -> None:
+    """``best_of: 3, n: 2``: three choices per prompt (seeds 7, 8, 9), the two with the highest summed
+    log-probability returned, best first; usage counts all three completions."""
+
+    async def by_seed(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
+        seed = s.seed or 0
+        assert s.logprobs is not None  # asked for internally: the ranking needs them
+        for i in range(1, 4):
+            yield Piece(
+                (1000 + seed,) * i, i - 1, i, "length" if i == 3 else "", (-abs(seed - 9.0),), ((1,),), ((0.0,),)
+            )
+
+    body = {"prompt": "x", "n": 2, "best_of": 3, "seed": 7}
+    status, text, _ = run(smollm2_dir, {"a": by_seed}, monkeypatch, body)
+    assert status == 200, text
+    answer = json.loads(text)
+    tok = generation.Tokenizer(smollm2_dir)
+    assert [c["text"] for c in answer["choices"]] == [tok.decode([1009] * 3), tok.decode([1008] * 3)]
+    assert all(c["logprobs"] is None for c in answer["choices"])  # not asked for by the client
+    assert answer["usage"]["completion_tokens"] == 9
+    status, text, _ = run(smollm2_dir, {"a": by_seed}, monkeypatch, body | {"stream": True})
+    assert status == 400 and "cannot stream" in text
