@@ -30,6 +30,7 @@ from torch_engine.config import (
 )
 from torch_engine.connector import Placement, RefusalReason, Refused, Reserved
 from torch_engine.engine import LLMEngine
+from torch_engine.guided import Guide, GuideKind
 from torch_engine.parallel import TPGroup
 from torch_engine.sampling import SamplingParams
 from torch_engine.speculator import Speculator
@@ -257,9 +258,11 @@ def tp_generate(
     out: str,
     fast_cpu: bool = False,
     speculative: str | None = None,
+    guide: tuple[str, str] | None = None,
 ) -> None:
     """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow
-    (``fast_cpu``: on the engine's fast CPU path; ``speculative``: a drafter, e.g. ``mtp``)."""
+    (``fast_cpu``: on the engine's fast CPU path; ``speculative``: a drafter, e.g. ``mtp``; ``guide``:
+    (guided_decoding_guide_type, guide) for every request, the leader loading the tokenizer)."""
     import json
 
     import torch.distributed as dist
@@ -269,9 +272,10 @@ def tp_generate(
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         spec = SpeculativeConfig(method=SpecMethod(speculative), num_tokens=1) if speculative else None
-        engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world), speculative=spec)
+        engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world), speculative=spec, tokenizer=guide is not None)
         if rank == 0:
-            tokens = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+            g = Guide(GuideKind.parse(guide[0]), guide[1]) if guide is not None else None
+            tokens = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, guide=g))
             engine.shutdown()
             stats = {"tokens": tokens, "pages_used": engine.page_stats().used, "drafts": engine.spec_stats.proposed}
             Path(out).write_text(json.dumps(stats))

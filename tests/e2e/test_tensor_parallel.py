@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import prompt_of, tiny_engine, tp_generate
+from tests.helpers import TINY_CONFIGS, build_tiny, prompt_of, tiny_engine, tp_generate
+from torch_engine.guided import Guide, GuideKind
 from torch_engine.sampling import SamplingParams
+from torch_engine.tokenizer import Tokenizer
 
 PROMPTS = [prompt_of(23, 1), prompt_of(7, 2), prompt_of(41, 3)]
 
@@ -44,3 +50,28 @@ def test_tp_with_mtp_drafts_equals_tp1(kind: str, mtp_engine_dir, tmp_path) -> N
     result = json.loads(out.read_text())
     assert result["tokens"] == ref
     assert result["drafts"] > 0 and result["pages_used"] == 0
+
+
+def test_constrained_decoding_on_tp2_equals_tp1(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The TP leader alone samples, so only it holds the grammar: a tiny random llama with SmolLM2's
+    tokenizer (49,152 tokens), TP 2 gives TP 1's constrained tokens, each output following the regex."""
+    cfg = TINY_CONFIGS["llama"]()
+    cfg.vocab_size = 49152
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True).save_pretrained(str(folder))
+    one, two = build_tiny(folder, tmp_path / "tp1"), build_tiny(folder, tmp_path / "tp2", tp=2)
+    phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"  # ASCII digits: a random model likes other scripts' (\d allows them)
+    prompts = [prompt_of(23, 1), prompt_of(7, 2)]
+    ref = tiny_engine(one, tokenizer=True).generate(
+        prompts, SamplingParams(max_tokens=24, guide=Guide(GuideKind.REGEX, phone))
+    )
+    out = tmp_path / "out.json"
+    args = (2, str(tmp_path / "rdzv"), str(two), prompts, 24, str(out), False, None, ("regex", phone))
+    mp.spawn(tp_generate, args=args, nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["tokens"] == ref and result["pages_used"] == 0
+    tok = Tokenizer(one)
+    assert all(re.fullmatch(phone, tok.decode(t)) for t in ref), [tok.decode(t) for t in ref]
