@@ -25,6 +25,10 @@ class RouterSpec(_Frozen):
     probe_interval_s: float = Field(default=1.0, gt=0, description="how often each decode group's readiness is probed")
     request_timeout_s: float = Field(default=600.0, gt=0, description="one request, first byte to last token")
     max_tokens_default: int = Field(default=256, ge=1, description="max_tokens when a request sets none")
+    max_in_flight: int = Field(default=512, ge=1, description="requests served at once (streams hold theirs)")
+    max_queued: int = Field(default=1024, ge=0, description="requests waiting for a slot; beyond: 429 + Retry-After")
+    queue_timeout_s: float = Field(default=30.0, gt=0, description="the longest wait for a slot; then 503")
+    max_per_client: int | None = Field(default=None, ge=1, description="one client address's requests; None: no limit")
 
 
 class GroupEndpoint(_Frozen):

@@ -40,6 +40,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    retry_after: float | None = None  # seconds: sent as Retry-After (429 / 503 when shedding load)
 
 
 @dataclass(slots=True)

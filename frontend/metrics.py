@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from frontend.groups import GroupPool
@@ -43,3 +44,17 @@ class RouterMetrics:
             self.outstanding.labels(g.name).set(g.outstanding)
             self.up.labels(g.name).set(1 if g.up else 0)
         return generate_latest(self.registry)
+
+
+ROUTES = frozenset(
+    ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+)
+MODEL_ROUTE = "/v1/models/{model}"
+
+
+def route_of(request: web.Request) -> str:
+    """The metrics label of a request's route: one of ours, or "other" (a client-chosen path must not
+    make a new series: the label set stays bounded)."""
+    if request.path.startswith("/v1/models/") and request.path.count("/") == 3:
+        return MODEL_ROUTE
+    return request.path if request.path in ROUTES else "other"

@@ -16,6 +16,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
@@ -24,6 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from frontend import choices, tokenize
+from frontend.admission import Admission
 from frontend.api_types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -40,7 +42,7 @@ from frontend.api_types import (
 from frontend.config import RouterConfig
 from frontend.generation import ApiError, Delta, Generator, Outcome
 from frontend.groups import GroupPool
-from frontend.metrics import RouterMetrics
+from frontend.metrics import RouterMetrics, route_of
 from frontend.responses import (
     Reason,
     chat_choice,
@@ -100,7 +102,9 @@ def _json_body(body: bytes) -> object:
 
 
 def error_response(e: ApiError) -> web.Response:
-    return _json(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, param=e.param, code=e.code)), e.status)
+    retry = {"Retry-After": str(math.ceil(e.retry_after))} if e.retry_after is not None else None
+    body = ErrorResponse(error=ErrorBody(message=e.message, type=e.type, param=e.param, code=e.code))
+    return _json(body, e.status, retry)
 
 
 def _sse(model: BaseModel | str) -> bytes:
@@ -114,6 +118,8 @@ class Router:
         self.pool = pool or GroupPool.of(cfg.groups)
         self.metrics = RouterMetrics(self.pool)
         self.gen = Generator(cfg, self.pool, self.metrics)
+        s = cfg.spec
+        self.admission = Admission(s.max_in_flight, s.max_queued, s.queue_timeout_s, s.max_per_client)
         self.created = int(time.time())
         self._probe: asyncio.Task[None] | None = None
 
@@ -148,13 +154,13 @@ class Router:
         try:
             return await handler(request)
         except (asyncio.CancelledError, ConnectionResetError):  # the client went away: nginx's 499 in the metrics
-            self.metrics.requests.labels(_route(request), "499").inc()
+            self.metrics.requests.labels(route_of(request), "499").inc()
             raise
         except ApiError as e:
-            self.metrics.requests.labels(_route(request), str(e.status)).inc()
+            self.metrics.requests.labels(route_of(request), str(e.status)).inc()
             return error_response(e)
         except web.HTTPNotFound:
-            self.metrics.requests.labels(_route(request), "404").inc()
+            self.metrics.requests.labels(route_of(request), "404").inc()
             return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
         except web.HTTPMethodNotAllowed:
             return error_response(ApiError(405, f"{request.method} is not allowed on {request.path}"))
@@ -162,7 +168,7 @@ class Router:
             raise  # aiohttp's own answers (none reach here from our routes)
         except Exception as exc:  # a bug of ours: the client gets OpenAI's shape, the server goes on
             log.exception("request %s %s failed", request.method, request.path)
-            self.metrics.requests.labels(_route(request), "500").inc()
+            self.metrics.requests.labels(route_of(request), "500").inc()
             return error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     @web.middleware
@@ -194,12 +200,14 @@ class Router:
         return _json(ModelCard(id=self.cfg.model_name, created=self.created))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await self._parse(request, ChatCompletionRequest)
-        return await self._serve(request, req, [self.gen.chat_prompt(req)], self.gen.request_id("chatcmpl"))
+        req = await self._parse(request, ChatCompletionRequest)  # a slow upload holds no slot
+        async with self.admission.slot(request.remote or ""):
+            return await self._serve(request, req, [self.gen.chat_prompt(req)], self.gen.request_id("chatcmpl"))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, CompletionRequest)
-        return await self._serve(request, req, self.gen.completion_prompts(req), self.gen.request_id("cmpl"))
+        async with self.admission.slot(request.remote or ""):
+            return await self._serve(request, req, self.gen.completion_prompts(req), self.gen.request_id("cmpl"))
 
     async def _parse(self, request: web.Request, kind: type[R]) -> R:
         raw = _json_body(await _body(request))
@@ -240,7 +248,7 @@ class Router:
         else:
             scored = dataclasses.replace(sampling, logprobs=sampling.logprobs or 0) if req.width > req.n else sampling
             runs = await choices.run(self.gen, prompts, scored, traced, req.width)
-        self.metrics.requests.labels(_route(request), "200").inc()
+        self.metrics.requests.labels(route_of(request), "200").inc()
         usage = usage_of([r.outcome for r in runs], req.width, getattr(req, "scores_only", False))
         runs = choices.best(runs, req.n, req.width) if req.width > req.n else runs
         now = int(time.time())
@@ -307,7 +315,7 @@ class Router:
             )
             await response.write(_sse(tail))
         await response.write(_sse("[DONE]"))
-        self.metrics.requests.labels(_route(request), "200").inc()
+        self.metrics.requests.labels(route_of(request), "200").inc()
         return response
 
     async def _stream_call(
@@ -320,7 +328,7 @@ class Router:
         await response.prepare(request)
         for payload in tool_call_events(req, choice, outcome, rid):
             await response.write(_sse(payload))
-        self.metrics.requests.labels(_route(request), "200").inc()
+        self.metrics.requests.labels(route_of(request), "200").inc()
         return response
 
     def _call_id(self, index: int) -> str:
@@ -379,7 +387,7 @@ class Router:
             except ApiError as e:
                 if response is None:
                     raise
-                self.metrics.requests.labels(_route(request), str(e.status)).inc()
+                self.metrics.requests.labels(route_of(request), str(e.status)).inc()
                 await send(ErrorResponse(error=ErrorBody(message=e.message, type=e.type, code=e.code)))
                 await send("[DONE]")
                 return response
@@ -389,7 +397,7 @@ class Router:
             )
             await send(usage_chunk)
         await send("[DONE]")
-        self.metrics.requests.labels(_route(request), "200").inc()
+        self.metrics.requests.labels(route_of(request), "200").inc()
         assert response is not None
         return response
 
@@ -399,17 +407,3 @@ def serve(cfg: RouterConfig) -> None:
     router = Router(cfg)
     log.info("router on http://%s:%d/v1 over decode groups %s", cfg.host, cfg.spec.port, [g.name for g in cfg.groups])
     web.run_app(router.app(), host=cfg.host, port=cfg.spec.port, handler_cancellation=True, print=None)
-
-
-ROUTES = frozenset(
-    ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
-)
-MODEL_ROUTE = "/v1/models/{model}"
-
-
-def _route(request: web.Request) -> str:
-    """The metrics label of a request's route: one of ours, or "other" (a client-chosen path must not
-    make a new series: the label set stays bounded)."""
-    if request.path.startswith("/v1/models/") and request.path.count("/") == 3:
-        return MODEL_ROUTE
-    return request.path if request.path in ROUTES else "other"
