@@ -63,6 +63,12 @@ class _Request(Guided):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    # accepted and ignored (nothing here changes with them; README's router row lists them)
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(default=None, max_length=32)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
     cache_salt: str | None = Field(
         default=None,
         min_length=1,

@@ -47,7 +47,16 @@ class RouterMetrics:
 
 
 ROUTES = frozenset(
-    ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+    (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+    )
 )
 MODEL_ROUTE = "/v1/models/{model}"
 

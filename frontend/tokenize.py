@@ -1,6 +1,7 @@
-"""vLLM's ``/tokenize`` and ``/detokenize``: the deployment's own tokenizer over HTTP (clients count and
-build token-id prompts with it; lm-eval's remote tokenizer asks for it). The same chat template and
-vocabulary checks as the generation routes; errors in OpenAI's shape (the server's middleware)."""
+"""vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``: the deployment's own tokenizer over
+HTTP (clients count and build token-id prompts with it; lm-eval's remote tokenizer asks for it).
+The same chat template and vocabulary checks as the generation routes; errors in OpenAI's shape
+(the server's middleware)."""
 
 from __future__ import annotations
 
@@ -89,4 +90,15 @@ def routes(gen: Generator, model_name: str) -> list[web.RouteDef]:
         body = DetokenizeResponse(prompt=gen.tokenizer.decode(req.tokens))
         return web.Response(text=body.model_dump_json(), content_type="application/json")
 
-    return [web.post("/tokenize", tokenize), web.post("/detokenize", detokenize)]
+    async def tokenizer_info(request: web.Request) -> web.Response:
+        """The tokenizer's configuration (its ``tokenizer_config.json``, as vLLM answers), with its class."""
+        hf = gen.tokenizer.hf
+        info = {k: v for k, v in hf.init_kwargs.items() if isinstance(v, str | int | float | bool | None)}
+        info |= {"tokenizer_class": type(hf).__name__, "chat_template": getattr(hf, "chat_template", None)}
+        return web.json_response(info)
+
+    return [
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
+        web.get("/tokenizer_info", tokenizer_info),
+    ]

@@ -225,6 +225,9 @@ def test_tokenize_and_detokenize_use_the_deployment_tokenizer(smollm2_dir) -> No
             ):
                 r = await client.post(path, json=body)
                 out.append((r.status, await r.json()))
+            info = await client.get("/tokenizer_info")
+            body = await info.json()
+            assert info.status == 200 and body["chat_template"] == tok.hf.chat_template and body["tokenizer_class"]
             return out
 
     (s1, a), (s2, b), (s3, c), (s4, d), (s5, e), (s6, f) = asyncio.run(go())
