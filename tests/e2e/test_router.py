@@ -4,6 +4,7 @@ decode groups and one prefill group (SmolLM2 fp32, greedy), compared with the en
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -353,33 +354,15 @@ def test_forced_tool_calls_follow_the_function_schema(deployment: Launch) -> Non
     create = cast(Any, client.chat.completions).create  # the calls' dicts, unchecked by the client's overloads
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = create(
-        model="smollm2",
-        messages=messages,
-        max_tokens=40,
-        tools=[WEATHER],
-        tool_choice=named,
-    )
+    ask = functools.partial(create, model="smollm2", messages=messages, max_tokens=40)
+    r = ask(tools=[WEATHER], tool_choice=named)
     call = (r.choices[0].message.tool_calls or [None])[0]
     assert r.choices[0].finish_reason == "tool_calls" and call is not None and call.function.name == "get_weather"
     args = json.loads(call.function.arguments)
     assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
-    either = create(
-        model="smollm2",
-        messages=messages,
-        max_tokens=40,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-    )
+    either = ask(tools=[WEATHER, TIME], tool_choice="required")
     assert either.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
-    stream = create(
-        model="smollm2",
-        messages=messages,
-        max_tokens=40,
-        tools=[WEATHER],
-        tool_choice=named,
-        stream=True,
-    )
+    stream = ask(tools=[WEATHER], tool_choice=named, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
     streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
     assert deltas[-1].finish_reason == "tool_calls" and streamed[0].function.arguments == call.function.arguments
