@@ -232,7 +232,8 @@ class Router:
         if any(not ids for ids in prompts):  # e.g. a prompt of control characters only: nothing to send upstream
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, "the prompt is empty: it has no tokens", param=param)
-        sampling = self.gen.sampling(req)
+        # a guide's check can take 100 ms for a big schema: off the event loop, which every client shares
+        sampling = await asyncio.to_thread(self.gen.sampling, req) if req.guided else self.gen.sampling(req)
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
         if len(prompts) * req.width == 1:
             outcome = Outcome(prompt_tokens=len(prompts[0]))
