@@ -324,6 +324,7 @@ def test_soak_random_cancels_and_failed_writes_leave_nothing_behind(tiny_engine_
         ref = tiny_engine(tiny_engine_dir("llama"))
         want = dict(zip(prompts, ref.generate(list(prompts.values()), SamplingParams(max_tokens=4)), strict=True))
         cancelled: set[str] = set()
+        doomed: dict[str, float] = {}  # chosen at submission, so the mix does not depend on the machine's speed
         pending = list(prompts)
         live: list[str] = []
         deadline = time.monotonic() + 240
@@ -332,11 +333,12 @@ def test_soak_random_cancels_and_failed_writes_leave_nothing_behind(tiny_engine_
             while pending and len(live) < 8:
                 rid = pending.pop()
                 ScriptedCaller.mode[0] = "timeout" if rng.random() < 0.05 else "ok"
+                if rng.random() < 1 / 3:
+                    doomed[rid] = time.monotonic() + rng.random() * 0.05
                 c.submit(rid, prompts[rid], SamplingParams(max_tokens=4))
                 live.append(rid)
-            if live and rng.random() < 0.3:
-                victim = rng.choice(live)
-                time.sleep(rng.random() * 0.01)
+            now = time.monotonic()
+            for victim in [r for r in live if r in doomed and r not in cancelled and doomed[r] <= now]:
                 c.loop.cancel(victim)
                 cancelled.add(victim)
             time.sleep(0.002)
@@ -351,9 +353,9 @@ def test_soak_random_cancels_and_failed_writes_leave_nothing_behind(tiny_engine_
                 assert out.finish_reason is FinishReason.ERROR and out.error, rid
         counts = Counter(o.finish_reason for o in c.done.values())
         print("soak outcomes:", dict(counts), "cancel calls:", len(cancelled))
-        assert (
-            counts[FinishReason.LENGTH] + counts[FinishReason.STOP] > 100
-        )  # 183 here; more cancels land on slower machines
+        spared = [r for r in prompts if r not in doomed]
+        finished = [r for r in spared if c.done[r].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)]
+        assert len(finished) > len(spared) * 0.6, (len(finished), len(spared))  # only the faults fail the rest
         assert c.transports[1].faults.failed > 0 and errors  # the faults happened and were reported
         wait_for(c.settled, timeout_s=30, what="every page and record to be released")
         assert all(p.side.local.tombstones() <= len(cancelled) for p in c.prefills)
