@@ -9,7 +9,7 @@ from pathlib import Path
 
 from builders import BuildOptions, build_engine
 from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir
-from torch_engine.config import DType, KVLayout, Role
+from torch_engine.config import DType, KVLayout, Role, WeightStorage
 
 
 def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFLOAT16) -> None:
@@ -21,13 +21,25 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
     p.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.HND.value)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_ENGINE_CACHE, help="where built engines are cached")
     p.add_argument("--mtp-head", type=Path, default=None, help="attach this trained MTP head (disagg train-mtp)")
+    p.add_argument(
+        "--weights",
+        choices=list(WEIGHTS),
+        default="as-stored",
+        help="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized and the engine computes with them; "
+        "bf16 / fp32: every weight dequantised to that dtype (sets --dtype)",
+    )
+
+
+WEIGHTS = {"as-stored": None, "bf16": DType.BFLOAT16, "fp32": DType.FLOAT32}  # --weights -> dense dtype
 
 
 def build_options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOptions:
+    dense = WEIGHTS[a.weights]
     return BuildOptions(
         role=role,
         tp_size=a.tp,
-        dtype=DType(a.dtype),
+        dtype=dense or DType(a.dtype),
+        weights=WeightStorage.AS_STORED if dense is None else WeightStorage.DENSE,
         page_size=a.page_size,
         kv_layout=KVLayout(a.layout),
         mtp_head=a.mtp_head,

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -27,7 +28,8 @@ from builders.gguf_import import load_gguf
 from builders.hf_import import load_hf_folder
 from builders.mtp_head import attach_head
 from builders.sharding import check_tp, shard
-from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role
+from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role, WeightStorage
+from torch_engine.quant import PACKED_KEY, Packed, Weight
 
 BUILDER_VERSION = 1
 
@@ -42,14 +44,15 @@ class BuildOptions:
     page_size: int = 16
     kv_layout: KVLayout = KVLayout.HND
     mtp_head: Path | None = None  # a trained MTP head to attach (``builders/train_mtp.py``)
+    weights: WeightStorage = WeightStorage.AS_STORED  # a GGUF's quantized tensors kept packed
 
 
-def load_checkpoint(source: str) -> Checkpoint:
+def load_checkpoint(source: str, weights: WeightStorage = WeightStorage.DENSE) -> Checkpoint:
     path = resolve_source(source)
     if path.is_file():
         if path.suffix != ".gguf":
             raise BuildError(f"{path}: a checkpoint file must be .gguf (or pass a Hugging Face folder)")
-        return load_gguf(path)
+        return load_gguf(path, packed=weights is WeightStorage.AS_STORED)
     return load_hf_folder(path)
 
 
@@ -60,9 +63,9 @@ def _fingerprint(path: Path, opts: BuildOptions) -> str:
         st = f.stat()
         # whole seconds: archives (tar layers of an image, zip) keep mtimes to the second, not the nanosecond
         h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)};".encode())
-    opts_text = json.dumps(
-        [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size, opts.kv_layout.value]
-    )
+    fields: list[object] = [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size]
+    fields += [opts.kv_layout.value] + ([opts.weights.value] if opts.weights is WeightStorage.AS_STORED else [])
+    opts_text = json.dumps(fields)
     h.update(opts_text.encode())
     if opts.mtp_head is not None:
         st = Path(opts.mtp_head).stat()
@@ -78,7 +81,8 @@ def default_engine_dir(cache_root: Path, source: str, opts: BuildOptions) -> Pat
     name = path.stem if path.is_file() else path.name
     fp = _fingerprint(path, opts)[:12]
     mtp = "-mtp" if opts.mtp_head is not None else ""
-    return cache_root / f"{name}{mtp}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}-{fp}"
+    packed = "-as-stored" if opts.weights is WeightStorage.AS_STORED and path.suffix == ".gguf" else ""
+    return cache_root / f"{name}{mtp}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}{packed}-{fp}"
 
 
 def _cached(out: Path, fingerprint: str, tp: int) -> bool:
@@ -89,6 +93,20 @@ def _cached(out: Path, fingerprint: str, tp: int) -> bool:
     except ValueError:
         return False
     return manifest.fingerprint == fingerprint and all((out / f"rank{r}.safetensors").is_file() for r in range(tp))
+
+
+def _flat(weights: dict[str, Weight], dtype: DType) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One rank's weights as safetensors entries (dense ones in ``dtype``, routers in fp32; packed ones
+    as their parts) and the packed ones' kinds."""
+    tensors: dict[str, torch.Tensor] = {}
+    packed: dict[str, str] = {}
+    for k, v in weights.items():
+        if isinstance(v, Packed):
+            tensors |= {n: t.contiguous() for n, t in v.tensors(k).items()}
+            packed[k] = v.kind.name
+        else:
+            tensors[k] = v if k.endswith(("router.weight", "router_bias")) else v.to(dtype.torch)
+    return tensors, packed
 
 
 def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), progress: bool = True) -> Path:
@@ -102,7 +120,7 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
     out = Path(out)
     if _cached(out, fingerprint, opts.tp_size):
         return out
-    ck = load_checkpoint(source)
+    ck = load_checkpoint(source, opts.weights)
     if opts.mtp_head is not None:
         ck = attach_head(ck, Path(opts.mtp_head))
     check_tp(ck.config, opts.tp_size)
@@ -111,11 +129,8 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
     try:
         ranks = range(opts.tp_size)
         for r in tqdm(ranks, desc=f"building {ck.name} tp{opts.tp_size}", unit="rank", disable=not progress):
-            tensors = {
-                k: v if k.endswith(("router.weight", "router_bias")) else v.to(opts.dtype.torch)
-                for k, v in shard(ck, opts.tp_size, r).items()
-            }
-            save_file(tensors, str(tmp / f"rank{r}.safetensors"))
+            tensors, packed = _flat(shard(ck, opts.tp_size, r), opts.dtype)
+            save_file(tensors, str(tmp / f"rank{r}.safetensors"), metadata={PACKED_KEY: json.dumps(packed)})
         has_tok = ck.save_tokenizer(tmp)
         EngineManifest(
             model=ck.config,
@@ -127,6 +142,7 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
             source=str(path),
             fingerprint=fingerprint,
             has_tokenizer=has_tok,
+            weights=opts.weights if any(isinstance(w, Packed) for w in ck.tensors.values()) else WeightStorage.DENSE,
         ).save(tmp)
         if out.exists():
             shutil.rmtree(out)

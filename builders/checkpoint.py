@@ -1,4 +1,5 @@
-"""A checkpoint in memory: the model's architecture plus its full (unsharded) tensors in HF names."""
+"""A checkpoint in memory: the model's architecture plus its full (unsharded) tensors in HF names,
+dense or, from a GGUF file built ``as-stored``, kept packed (``torch_engine.quant.Packed``)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from builders.errors import BuildError
 from torch_engine.config import ModelConfig
+from torch_engine.quant import Weight
 
 
 @dataclass(slots=True)
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names, full shapes
+    tensors: dict[str, Weight]  # Hugging Face names, full shapes
     save_tokenizer: Callable[[Path], bool]  # writes tokenizer files into a folder; False if there is none
     name: str
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> Weight:
         try:
             return self.tensors[name]
         except KeyError:

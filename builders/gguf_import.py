@@ -1,4 +1,5 @@
-"""Import a llama-architecture GGUF file (e.g. the packaged SmolLM2 Q4_1): dequantise, rename, un-permute.
+"""Import a llama-architecture GGUF file (e.g. the packaged SmolLM2 Q4_1): rename, un-permute, and either
+keep the quantized tensors as stored (``packed``: Q8_0 / Q4_0 / Q4_1, ``torch_engine.quant``) or dequantise.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that rotary pairs are
 interleaved; HF (and this engine) pair dimension i with i + head_dim/2, so the permutation
@@ -19,6 +20,7 @@ from gguf.quants import dequantize
 from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
 from torch_engine.config import Family, ModelConfig
+from torch_engine.quant import Packed, QuantKind, Weight, from_gguf_blocks
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -38,9 +40,24 @@ _GLOBAL_NAMES = {
 }
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute(w: Weight, n_heads: int) -> Weight:
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    order = torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)
+    return w.rows(order) if isinstance(w, Packed) else w[order]
+
+
+def _tensor(path: Path, t: Any, packed: bool) -> Weight:
+    kinds = {int(k) for k in QuantKind}
+    if packed and int(t.tensor_type) in kinds and len(t.shape) == 2:
+        try:  # GGUF lists dimensions innermost first: [K, N]
+            return from_gguf_blocks(QuantKind(int(t.tensor_type)), t.data, (int(t.shape[1]), int(t.shape[0])))
+        except ValueError as exc:
+            raise BuildError(f"{path}: {t.name}: {exc}") from exc
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except (ValueError, NotImplementedError) as exc:
+        raise BuildError(f"{path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
+    return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -48,7 +65,9 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def load_gguf(path: Path) -> Checkpoint:
+def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
+    """The checkpoint in ``path``; ``packed``: 2-D tensors in a block format the engine computes with
+    (Q8_0, Q4_0, Q4_1) stay as stored, every other tensor is dequantised to fp32."""
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as exc:
@@ -64,18 +83,14 @@ def load_gguf(path: Path) -> Checkpoint:
     hidden = int(_field(reader, p + "embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(_field(reader, p + "vocab_size", len(tokens.data) if tokens is not None else 0))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Weight] = {}
     for t in reader.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             name = f"model.layers.{layer}.{_LAYER_NAMES.get(rest, rest)}"
         else:
             name = _GLOBAL_NAMES.get(t.name, t.name)
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except (ValueError, NotImplementedError) as exc:
-            raise BuildError(f"{path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
-        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        w = _tensor(path, t, packed)
         if name.endswith("q_proj.weight"):
             w = _unpermute(w, heads)
         elif name.endswith("k_proj.weight"):

@@ -16,6 +16,7 @@ from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
 from builders.mtp_head import with_mtp
 from torch_engine.config import Family, ModelConfig, RopeScaling
+from torch_engine.quant import Weight
 
 SUPPORTED = {
     "llama": Family.LLAMA,
@@ -173,4 +174,4 @@ def load_hf_folder(folder: Path) -> Checkpoint:
             shutil.copy2(folder / n, out / n)
         return "tokenizer.json" in found or "tokenizer.model" in found
 
-    return Checkpoint(cfg, tensors, save_tokenizer, folder.name)
+    return Checkpoint(cfg, dict[str, Weight](tensors), save_tokenizer, folder.name)

@@ -14,6 +14,7 @@ import torch
 from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
 from torch_engine.config import ModelConfig
+from torch_engine.quant import Weight, cat_rows, narrow
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -31,21 +32,32 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
             raise BuildError(f"TP {tp} does not divide {name} {size}")
 
 
-def _rows(w: torch.Tensor, part: int, rank: int, dim: int = 0) -> torch.Tensor:
-    return w.narrow(dim, part * rank, part).clone()
+def _rows(w: Weight, part: int, rank: int, dim: int = 0) -> Weight:
+    try:
+        return narrow(w, dim, part * rank, part)
+    except ValueError as exc:  # a packed weight cut inside a block
+        raise BuildError(
+            f"this TP size cannot split a weight kept as stored: {exc}; build with --weights fp32"
+        ) from exc
 
 
-def _heads(w: torch.Tensor, heads: int, per_rank: int, rank_first_head: int) -> torch.Tensor:
+def _heads(w: Weight, heads: int, per_rank: int, rank_first_head: int) -> Weight:
     """Rows of heads ``[first, first + per_rank)`` of a ``[heads * d, ...]`` projection."""
     d = w.shape[0] // heads
-    return w[rank_first_head * d : (rank_first_head + per_rank) * d].clone()
+    return narrow(w, 0, rank_first_head * d, per_rank * d)
 
 
-def shard(ck: Checkpoint, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def _dense(w: Weight) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor):
+        raise BuildError("this tensor cannot be kept as stored (quantized); build with --weights fp32")
+    return w
+
+
+def shard(ck: Checkpoint, tp: int, rank: int) -> dict[str, Weight]:
     cfg = ck.config
     check_tp(cfg, tp)
     g = ck.get
-    out: dict[str, torch.Tensor] = {
+    out: dict[str, Weight] = {
         "embed.weight": g("model.embed_tokens.weight"),
         "norm.weight": g("model.norm.weight"),
     }
@@ -63,7 +75,7 @@ def shard(ck: Checkpoint, tp: int, rank: int) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _layer(out: dict[str, torch.Tensor], ck: Checkpoint, i: int, src: str, dst: str, tp: int, rank: int) -> None:
+def _layer(out: dict[str, Weight], ck: Checkpoint, i: int, src: str, dst: str, tp: int, rank: int) -> None:
     """One decoder layer (``src``: its HF prefix) -> this rank's tensors under ``dst``."""
     g, cfg = ck.get, ck.config
     hq = cfg.num_heads // tp
@@ -79,7 +91,7 @@ def _layer(out: dict[str, torch.Tensor], ck: Checkpoint, i: int, src: str, dst: 
             q = _heads(g(f"{a}q_proj.{kind}"), cfg.num_heads, hq, rank * hq)
             k = _heads(g(f"{a}k_proj.{kind}"), kv, kv_per, kv_first)
             v = _heads(g(f"{a}v_proj.{kind}"), kv, kv_per, kv_first)
-            out[f"{dst}attn.qkv.{kind}"] = torch.cat([q, k, v])
+            out[f"{dst}attn.qkv.{kind}"] = cat_rows([q, k, v])
         if cfg.qk_norm:
             out[dst + "attn.q_norm.weight"] = g(a + "q_norm.weight")
             out[dst + "attn.k_norm.weight"] = g(a + "k_norm.weight")
@@ -91,15 +103,15 @@ def _layer(out: dict[str, torch.Tensor], ck: Checkpoint, i: int, src: str, dst: 
         _mlp(out, ck, m, dst + "mlp.", cfg.intermediate_size // tp, rank)
 
 
-def _mlp(out: dict[str, torch.Tensor], ck: Checkpoint, src: str, dst: str, part: int, rank: int) -> None:
+def _mlp(out: dict[str, Weight], ck: Checkpoint, src: str, dst: str, part: int, rank: int) -> None:
     g = ck.get
     gate = _rows(g(src + "gate_proj.weight"), part, rank)
     up = _rows(g(src + "up_proj.weight"), part, rank)
-    out[dst + "gate_up.weight"] = torch.cat([gate, up])
+    out[dst + "gate_up.weight"] = cat_rows([gate, up])
     out[dst + "down.weight"] = _rows(g(src + "down_proj.weight"), part, rank, dim=1)
 
 
-def _mla(out: dict[str, torch.Tensor], ck: Checkpoint, src: str, dst: str, tp: int, rank: int) -> None:
+def _mla(out: dict[str, Weight], ck: Checkpoint, src: str, dst: str, tp: int, rank: int) -> None:
     g, cfg = ck.get, ck.config
     hq = cfg.num_heads // tp
     if cfg.q_lora_rank is None:
@@ -113,24 +125,26 @@ def _mla(out: dict[str, torch.Tensor], ck: Checkpoint, src: str, dst: str, tp: i
     out[dst + "kv_a.weight"] = g(src + "kv_a_proj_with_mqa.weight")
     if cfg.attention_bias:
         out[dst + "kv_a.bias"] = g(src + "kv_a_proj_with_mqa.bias")
-        out[dst + "o.bias"] = g(src + "o_proj.bias") / tp  # each rank adds it, the all-reduce sums
+        out[dst + "o.bias"] = _dense(g(src + "o_proj.bias")) / tp  # each rank adds it, the all-reduce sums
     out[dst + "kv_a_norm.weight"] = g(src + "kv_a_layernorm.weight")
     out[dst + "kv_b.weight"] = _heads(g(src + "kv_b_proj.weight"), cfg.num_heads, hq, rank * hq)
     out[dst + "o.weight"] = _rows(g(src + "o_proj.weight"), hq * cfg.v_head_dim, rank, dim=1)
 
 
-def _moe(out: dict[str, torch.Tensor], ck: Checkpoint, src: str, dst: str, tp: int, rank: int) -> None:
+def _moe(out: dict[str, Weight], ck: Checkpoint, src: str, dst: str, tp: int, rank: int) -> None:
     g, cfg = ck.get, ck.config
     inter = cfg.moe_intermediate_size
     part = inter // tp
-    out[dst + "router.weight"] = g(src + "gate.weight").float()
+    out[dst + "router.weight"] = _dense(g(src + "gate.weight")).float()
     bias_name = src + "gate.e_score_correction_bias"
-    out[dst + "router_bias"] = g(bias_name).float() if bias_name in ck.tensors else torch.zeros(cfg.n_routed_experts)
-    gate_up = g(src + "experts.gate_up_proj")  # [E, 2 * inter, hidden]
+    out[dst + "router_bias"] = (
+        _dense(g(bias_name)).float() if bias_name in ck.tensors else torch.zeros(cfg.n_routed_experts)
+    )
+    gate_up = _dense(g(src + "experts.gate_up_proj"))  # [E, 2 * inter, hidden]
     lo = part * rank
     out[dst + "experts_gate_up"] = torch.cat(
         [gate_up[:, lo : lo + part], gate_up[:, inter + lo : inter + lo + part]], dim=1
     )
-    out[dst + "experts_down"] = g(src + "experts.down_proj")[:, :, lo : lo + part].clone()
+    out[dst + "experts_down"] = _dense(g(src + "experts.down_proj"))[:, :, lo : lo + part].clone()
     if cfg.n_shared_experts:
         _mlp(out, ck, src + "shared_experts.", dst + "shared.", inter * cfg.n_shared_experts // tp, rank)

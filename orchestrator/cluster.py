@@ -23,7 +23,15 @@ from frontend.config import RouterSpec
 from kv_messenger.config import TransportSpec
 from planner.placement import PlacementSpec
 from serving.node_config import RequestLimits, RequestTimeouts, group_name
-from torch_engine.config import DType, KVLayout, PrefixCacheConfig, Role, SchedulerConfig, SpeculativeConfig
+from torch_engine.config import (
+    DType,
+    KVLayout,
+    PrefixCacheConfig,
+    Role,
+    SchedulerConfig,
+    SpeculativeConfig,
+    WeightStorage,
+)
 
 
 class ConfigError(ValueError):
@@ -127,6 +135,11 @@ class ClusterConfig(_Frozen):
         default=None, description="an MTP head attached to `model` at build time (disagg train-mtp)"
     )
     dtype: DType = Field(default=DType.FLOAT32, description="dtype the engines are built (stored) in")
+    weights: WeightStorage = Field(
+        default=WeightStorage.AS_STORED,
+        description="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized (the CPU engines compute with "
+        "them); dense: every weight dequantised to `dtype`",
+    )
     restart: RestartSpec = RestartSpec()
     run_dtype: DType | Literal["auto"] = Field(
         default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"

@@ -48,6 +48,7 @@ def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
             page_size=cfg.page_size,
             kv_layout=cfg.kv_layout,
             mtp_head=cfg.mtp_head,
+            weights=cfg.weights,
         )
         dirs[role] = build_engine(cfg.model, default_engine_dir(cfg.engine_cache, cfg.model, opts), opts, progress)
     return dirs

@@ -23,6 +23,15 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class WeightStorage(enum.Enum):
+    """How an engine directory holds the weights. AS_STORED: a GGUF's block-quantized tensors (Q8_0,
+    Q4_0, Q4_1) stay packed and the engine computes with them (``torch_engine/quant.py``), the rest in
+    the engine's dtype; DENSE: every tensor dequantised to the engine's dtype."""
+
+    AS_STORED = "as-stored"
+    DENSE = "dense"
+
+
 class KVLayout(enum.Enum):
     """Order of a KV page's dimensions.
 
@@ -181,6 +190,7 @@ class EngineManifest(_Frozen):
     source: str
     fingerprint: str
     has_tokenizer: bool = True
+    weights: WeightStorage = WeightStorage.DENSE
 
     @classmethod
     def load(cls, engine_dir: Path) -> EngineManifest:

@@ -1,0 +1,173 @@
+"""Quantized weights kept as a GGUF ships them: the engine's packed form, its reference dequantisation,
+and the row / column cuts the builder's TP sharding needs.
+
+A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
+``Q8_0``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each for
+the kernels, and plain tensors for safetensors):
+
+- ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (Q4: byte j of a block holds
+  element j in its low nibble and element j + 16 in its high one, GGUF's order);
+- ``d``: each block's scale, ``[N, K / 32]`` float16;
+- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 only).
+
+Element values: Q8_0 ``d * q``, Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, computed in fp32 exactly as
+``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check). The
+kernels (``torch_engine/csrc/gemm_quant.cpp``) compute ``d * sum(q * x) + m * sum(x)`` per block:
+the same sum, rounded differently.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32
+PACKED_KEY = "disagg.packed"  # a rank file's safetensors metadata: {weight name: QuantKind name}
+
+
+class QuantKind(enum.IntEnum):
+    """The GGML type ids of the block formats the engine computes with as stored."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one 32-element block in a GGUF file (scale, [minimum,] quants)."""
+        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q8_0: 34}[self]
+
+    @property
+    def has_min(self) -> bool:
+        return self is QuantKind.Q4_1
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is QuantKind.Q8_0 else 4
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """One quantized weight ``[N, K]`` (see the module docstring for the layout)."""
+
+    kind: QuantKind
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts())
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self.qs, self.d] if self.m is None else [self.qs, self.d, self.m]
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Packed:
+        return Packed(self.kind, fn(self.qs), fn(self.d), None if self.m is None else fn(self.m))
+
+    def rows(self, index: torch.Tensor | slice) -> Packed:
+        """The rows ``index`` (a slice, or a tensor of row numbers: a permutation, a gather)."""
+        return self._map(lambda t: t[index])
+
+    def columns(self, start: int, length: int) -> Packed:
+        """Columns ``[start, start + length)``; both must fall on block boundaries."""
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(
+                f"a {self.kind.name} weight can only be cut at multiples of {BLOCK} columns, "
+                f"not [{start}, {start + length})"
+            )
+        per_q = 1 if self.kind is QuantKind.Q8_0 else 2
+        return Packed(
+            self.kind,
+            self.qs[:, start // per_q : (start + length) // per_q].clone(),
+            self.d[:, start // BLOCK : (start + length) // BLOCK].clone(),
+            None if self.m is None else self.m[:, start // BLOCK : (start + length) // BLOCK].clone(),
+        )
+
+    def contiguous(self) -> Packed:
+        return self._map(lambda t: t.contiguous())
+
+    def to(self, device: torch.device | str) -> Packed:
+        return self._map(lambda t: t.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight ``[N, K]`` (fp32 arithmetic, as gguf's dequantisation; then ``dtype``)."""
+        n, k = self.shape
+        nb = k // BLOCK
+        d = self.d.float().reshape(n, nb, 1)
+        if self.kind is QuantKind.Q8_0:
+            w = self.qs.reshape(n, nb, BLOCK).float() * d
+        else:
+            raw = self.qs.reshape(n, nb, BLOCK // 2)
+            q = torch.cat((raw & 0x0F, raw >> 4), dim=2).float()
+            if self.kind is QuantKind.Q4_0:
+                w = d * (q - 8)
+            else:
+                assert self.m is not None
+                w = d * q + self.m.float().reshape(n, nb, 1)
+        return w.reshape(n, k).to(dtype)
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The safetensors entries of this weight under ``name``."""
+        out = {f"{name}.qs": self.qs, f"{name}.d": self.d}
+        if self.m is not None:
+            out[f"{name}.m"] = self.m
+        return out
+
+    @classmethod
+    def from_tensors(cls, kind: QuantKind, name: str, state: dict[str, torch.Tensor]) -> Packed:
+        """The weight ``name`` out of a loaded state dict (its entries are removed from it)."""
+        m = state.pop(f"{name}.m") if kind.has_min else None
+        return cls(kind, state.pop(f"{name}.qs"), state.pop(f"{name}.d"), m)
+
+
+def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -> Packed:
+    """A GGUF tensor's raw bytes (``[N, K / 32 * block_bytes]`` uint8, as ``GGUFReader`` maps them)
+    -> the packed form. ``shape`` is ``[N, K]``."""
+    n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"a {kind.name} tensor needs a multiple of {BLOCK} columns, got {k}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
+    d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)).reshape(n, k // BLOCK)
+    if kind is QuantKind.Q8_0:
+        qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).reshape(n, k)
+        return Packed(kind, qs, d)
+    first = 4 if kind.has_min else 2
+    qs = torch.from_numpy(blocks[:, :, first:].copy()).reshape(n, k // 2)
+    m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)).reshape(n, k // BLOCK) if kind.has_min else None
+    return Packed(kind, qs, d, m)
+
+
+Weight = torch.Tensor | Packed  # a checkpoint's tensor: dense, or kept as stored
+
+
+def narrow(w: Weight, dim: int, start: int, length: int) -> Weight:
+    """``w.narrow(dim, start, length)``, copied, for dense and packed weights alike."""
+    if isinstance(w, Packed):
+        return w.rows(slice(start, start + length)) if dim == 0 else w.columns(start, length)
+    return w.narrow(dim, start, length).clone()
+
+
+def cat_rows(ws: Sequence[Weight]) -> Weight:
+    """Weights stacked along their output rows (q, k, v -> qkv); all dense, or all packed of one kind."""
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat([w for w in ws if isinstance(w, torch.Tensor)])
+    packed = [w for w in ws if isinstance(w, Packed)]
+    kinds = {p.kind for p in packed}
+    if len(packed) != len(ws) or len(kinds) != 1:
+        raise ValueError(f"cannot fuse weights stored differently ({sorted(k.name for k in kinds)} and dense)")
+    kind = kinds.pop()
+    m = torch.cat([p.m for p in packed if p.m is not None]) if kind.has_min else None
+    return Packed(kind, torch.cat([p.qs for p in packed]), torch.cat([p.d for p in packed]), m)
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, Packed) else w.to(dtype)
