@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.stamp-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile torch_engine/csrc/paged_attention.cpp
+$(STAMP): pyproject.toml Makefile $(wildcard torch_engine/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

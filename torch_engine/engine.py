@@ -73,8 +73,8 @@ class LLMEngine:
         self._dtype = run_dtype(config, manifest, self._device)
         self._page_size = config.page_size or manifest.page_size
         self._max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self._model = load_weights(manifest, config, self._tp, self._device, self._dtype)
         fast = (config.fast_cpu or config.dtype == "auto") and self._device.type == "cpu"
+        self._model = load_weights(manifest, config, self._tp, self._device, self._dtype, keep_packed=fast)
         self._prepacked = fast and prepare_cpu_path(self._model, self._device, self._dtype)
         layout = config.kv_layout or manifest.kv_layout
         graphs = config.decode_graphs if config.decode_graphs is not None else self._device.type == "cuda"

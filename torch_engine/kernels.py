@@ -24,7 +24,10 @@ from torch_engine.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_attention.cpp", "gemm_bf16.cpp")]
+SOURCES = [
+    Path(__file__).resolve().parent / "csrc" / name
+    for name in ("paged_attention.cpp", "gemm_bf16.cpp", "gemm_quant.cpp")
+]
 BUILD_ROOT = Path(__file__).resolve().parent.parent / "build" / "kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]  # at::parallel_for is OpenMP
 

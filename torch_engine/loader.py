@@ -3,18 +3,23 @@ short description of the result (``EngineDescription``) that benchmarks and repo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from torch_engine.config import EngineConfig, EngineManifest, ModelConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.kernels import cpu_kernels
-from torch_engine.layers import Linear, RMSNorm
+from torch_engine.layers import Embedding, Linear, RMSNorm
 from torch_engine.models import build_model
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
+from torch_engine.quant import PACKED_KEY, Packed, QuantKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +49,44 @@ def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.devi
     return (config.dtype or manifest.dtype).torch
 
 
+def _read(path: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
+    """A rank's file: its dense tensors and its packed weights (``torch_engine/quant.py``)."""
+    try:
+        state = load_file(str(path), device=str(device))
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        kinds = {name: QuantKind[kind] for name, kind in json.loads(meta.get(PACKED_KEY, "{}")).items()}
+        packed = {name: Packed.from_tensors(kind, name, state) for name, kind in kinds.items()}
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{path} is corrupt or unreadable: {exc}") from exc
+    return state, packed
+
+
 def load_weights(
-    manifest: EngineManifest, config: EngineConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype
+    manifest: EngineManifest,
+    config: EngineConfig,
+    tp: TPGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_packed: bool = False,
 ) -> CausalLM:
+    """This rank's model. Packed weights stay packed where ``keep_packed`` (the fast CPU path with its
+    kernels), else they are dequantised to ``dtype`` here."""
     path = config.engine_dir / f"rank{tp.rank}.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{config.engine_dir} has no weights for TP rank {tp.rank} ({path.name})")
-    try:
-        state = load_file(str(path), device=str(device))
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"{path} is corrupt or unreadable: {exc}") from exc
+    state, packed = _read(path, device)
+    kernels = cpu_kernels() if keep_packed and packed else None
+    if kernels is None:
+        state |= {name: p.dequantize(dtype) for name, p in packed.items()}
+        packed = {}
     with torch.device("meta"):
         model = build_model(manifest.model, tp)
     expected = set(model.state_dict())
     if manifest.model.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    missing, unexpected = expected - set(state), set(state) - expected
+    present = set(state) | set(packed)
+    missing, unexpected = expected - present, present - expected
     if missing or unexpected:
         raise ValueError(
             f"{path} does not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
@@ -67,9 +94,25 @@ def load_weights(
     keep_fp32 = ("router.weight", "router_bias")
     state = {k: v if k.endswith(keep_fp32) else v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if manifest.model.tie_word_embeddings:
+    if kernels is not None:
+        _attach(model, packed, dtype, kernels, path)
+    elif manifest.model.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
+
+
+def _attach(model: CausalLM, packed: dict[str, Packed], dtype: torch.dtype, kernels: ModuleType, path: Path) -> None:
+    """The packed weights into their modules (tied: lm_head computes with the embedding's table)."""
+    for name, p in packed.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if not isinstance(module, Linear | Embedding):
+            raise ValueError(f"{path}: {name} is packed, but {type(module).__name__} cannot compute with it")
+        module.set_quant(p, dtype, kernels)
+    if model.cfg.tie_word_embeddings:
+        if model.embed.quant is not None:
+            model.lm_head.set_quant(model.embed.quant, dtype, kernels)
+        else:
+            model.lm_head.weight = model.embed.weight
 
 
 def prepare_cpu_path(model: CausalLM, device: torch.device, dtype: torch.dtype) -> bool:
@@ -94,8 +137,13 @@ def kernel_path(
     name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         return f"cuda/{name}/{'cuda-graphs' if graphs else 'eager'}"
-    small = any(m.kernels is not None for m in model.modules() if isinstance(m, Linear))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    small = any(m.vnni is not None for m in linears)
     gemm = ("gemm-bf16+onednn-packed" if small else "onednn-packed") if prepacked else "plain"
+    kinds = sorted({m.quant.kind.name.lower() for m in linears if m.quant is not None})
+    if kinds and (kernels := cpu_kernels()) is not None:  # the dense rest (an MTP head's) after a "+"
+        rest = f"+{gemm}" if any(m.quant is None for m in linears) else ""
+        gemm = f"{'+'.join(kinds)}-gemm-q-{kernels.gemm_q_path()}{rest}"
     attention = "fused-attention" if fused_attention else "torch-attention"
     return f"cpu/{name}/{gemm}/{attention}/{cpu_info().simd}"
 
@@ -104,7 +152,8 @@ def weight_bytes(model: CausalLM) -> int:
     """Bytes of this rank's parameters, each storage once (tied embeddings are one tensor)."""
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
+    quant = [t for m in model.modules() if isinstance(m, Linear | Embedding) and m.quant for t in m.quant.parts()]
+    for p in [*model.parameters(), *quant]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()

@@ -218,10 +218,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 }  // namespace
 
-void register_gemm(pybind11::module& m);  // gemm_bf16.cpp
+void register_gemm(pybind11::module& m);        // gemm_bf16.cpp
+void register_gemm_quant(pybind11::module& m);  // gemm_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm(m);
+  register_gemm_quant(m);
   m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)");
 }

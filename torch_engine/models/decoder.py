@@ -12,7 +12,7 @@ from torch_engine.attention import AttentionMetadata
 from torch_engine.config import ModelConfig
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
-from torch_engine.layers import Linear, RMSNorm
+from torch_engine.layers import Embedding, Linear, RMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -40,7 +40,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"{cfg.num_heads} attention heads cannot be split over TP {tp_size}")
         self.cfg = cfg
         self.rotary_dim = rotary_dim
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([layer(i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
