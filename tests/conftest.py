@@ -9,7 +9,7 @@ import torch
 from builders import BuildOptions, build_engine
 from tests import helpers
 from tests.helpers import build_tiny, make_mtp_checkpoint, make_tiny_checkpoint
-from torch_engine.config import DType
+from torch_engine.config import DType, WeightStorage
 
 torch.set_num_threads(2)
 
@@ -105,9 +105,18 @@ def tiny_engine_dir(
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2 built in fp32 (the reference dtype for equality with HF)."""
+    """The embedded SmolLM2 built in fp32 as stored (Q4_1 / Q8_0 kept packed): the reference path dequantises
+    it at load, bit-equal to gguf (the reference for equality with HF); the fast CPU path computes with it."""
     out = tmp_path_factory.mktemp("smollm2") / "fp32"
     return build_engine("smollm2", out, BuildOptions(dtype=DType.FLOAT32, page_size=16), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2 dequantised to fp32 at build time (the dense GEMM paths' subject)."""
+    out = tmp_path_factory.mktemp("smollm2") / "fp32-dense"
+    opts = BuildOptions(dtype=DType.FLOAT32, page_size=16, weights=WeightStorage.DENSE)
+    return build_engine("smollm2", out, opts, progress=False)
 
 
 @pytest.fixture(scope="session")

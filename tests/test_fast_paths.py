@@ -1,4 +1,5 @@
-"""The serving fast paths against the reference path on the embedded model (3 prompts x 32 greedy tokens).
+"""The serving fast paths against the reference path on the embedded model (3 prompts x 32 greedy tokens),
+built dense (the GGUF's weights dequantised at build time; ``tests/test_quant.py`` covers them as stored).
 
 - fp32 with packed oneDNN weights and the fused paged decode attention (``fast_cpu``): the same
   greedy tokens as the reference path.
@@ -26,24 +27,24 @@ TIE = 0.125
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
+def reference(smollm2_dense_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dense_dir, num_pages=128))
     tok = engine.tokenizer
     assert tok is not None
     prompts = smollm2_prompts(tok)
     return prompts, engine.generate(prompts, GREEDY)
 
 
-def test_packed_fp32_with_fused_attention_equals_reference(smollm2_dir: Path, reference) -> None:
+def test_packed_fp32_with_fused_attention_equals_reference(smollm2_dense_dir: Path, reference) -> None:
     prompts, want = reference
-    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128, fast_cpu=True))
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dense_dir, num_pages=128, fast_cpu=True))
     assert "onednn-packed/fused-attention" in engine.kernel_path
     assert engine.generate(prompts, GREEDY) == want
 
 
-def test_auto_dtype_top1_on_every_step(smollm2_dir: Path, reference) -> None:
+def test_auto_dtype_top1_on_every_step(smollm2_dense_dir: Path, reference) -> None:
     prompts, want = reference
-    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=512, dtype="auto"))
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dense_dir, num_pages=512, dtype="auto"))
     gaps: list[float] = []
     for prompt, tokens in zip(prompts, want, strict=True):
         ids = [
