@@ -2,11 +2,17 @@
 
 Exercised here: UCX on CPU memory (DRAM) between processes of one machine. Not exercised:
 LIBFABRIC (needs EFA hardware), VRAM registration (needs a GPU).
+
+Every call into the agent holds one lock: the messenger thread polls it while the serving loop's
+thread refuses requests (``send_notif``), connects restarted peers (``add_peer``) and closes it; a
+UCX worker is not safe to enter from two threads at once (an unserialised run segfaulted inside
+``uct_tcp_iface_progress`` under the reliability soak).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -37,24 +43,29 @@ class NixlTransport:
         self._registered: list[object] = []
         self._done = object()  # handle of a transfer the fault injector dropped
         self._failed = object()  # handle of a transfer the fault injector failed
+        self._lock = threading.RLock()  # one thread inside the agent at a time (see the module docstring)
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         if any(t.device.type == "cuda" for t in tensors):
             self._mem_type = "VRAM"
-        self._registered.append(self._agent.register_memory(tensors))
+        with self._lock:
+            self._registered.append(self._agent.register_memory(tensors))
 
     def metadata(self) -> bytes:
-        return bytes(self._agent.get_agent_metadata())
+        with self._lock:
+            return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, name: str, metadata: bytes) -> None:
-        added = self._agent.add_remote_agent(metadata)
+        with self._lock:
+            added = self._agent.add_remote_agent(metadata)
         if isinstance(added, bytes):
             added = added.decode()
         if added != name:
             raise ValueError(f"peer metadata names agent {added!r}, expected {name!r}")
 
     def _descs(self, pairs: np.ndarray) -> object:
-        return self._agent.get_xfer_descs(pairs, self._mem_type)
+        with self._lock:
+            return self._agent.get_xfer_descs(pairs, self._mem_type)
 
     def write(self, peer: str, ranges: Ranges, notif: bytes) -> object:
         fault = self.faults.next_fault()
@@ -68,8 +79,9 @@ class NixlTransport:
         remote = self._descs(np.stack([arr[:, 1], arr[:, 2], dev], axis=1))
         handle, why = None, None
         try:
-            handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
-            posted = self._agent.transfer(handle)
+            with self._lock:
+                handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
+                posted = self._agent.transfer(handle)
         except Exception as exc:  # NIXL raises its own types (a dead peer: NIXL_ERR_REMOTE_DISCONNECT)
             posted, why = "ERR", repr(exc)
         if posted == "ERR":  # this write failed, not the sender: its job fails, the other peers are served
@@ -85,7 +97,8 @@ class NixlTransport:
         if handle is self._failed:
             return TransferState.FAILED
         try:
-            s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
+            with self._lock:
+                s = self._agent.check_xfer_state(handle)  # type: ignore[arg-type]  # our handles are NIXL's
         except Exception as exc:  # NIXL's own error types: the peer went away mid-write
             log.warning("a KV write failed: %s", exc)
             return TransferState.FAILED
@@ -94,20 +107,25 @@ class NixlTransport:
     def release(self, handle: object) -> None:
         if handle is not self._done and handle is not self._failed:
             try:
-                self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
+                with self._lock:
+                    self._agent.release_xfer_handle(handle)  # type: ignore[arg-type]
             except Exception as exc:  # NIXL's own error types: releasing a dead peer's write
                 log.warning("releasing a KV write failed: %s", exc)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         try:
-            self._agent.send_notif(peer, msg)
+            with self._lock:
+                self._agent.send_notif(peer, msg)
         except Exception as exc:  # NIXL raises its own error types; a dead peer must not kill the sender
             log.warning("notification to %s lost: %s", peer, exc)
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        return [(peer, m) for peer, msgs in self._agent.get_new_notifs().items() for m in msgs]
+        with self._lock:
+            new = self._agent.get_new_notifs()
+        return [(peer, m) for peer, msgs in new.items() for m in msgs]
 
     def close(self) -> None:
-        for reg in self._registered:
-            self._agent.deregister_memory(reg)
-        self._registered.clear()
+        with self._lock:
+            for reg in self._registered:
+                self._agent.deregister_memory(reg)
+            self._registered.clear()
