@@ -95,9 +95,6 @@ class Packed:
     def contiguous(self) -> Packed:
         return self._map(lambda t: t.contiguous())
 
-    def to(self, device: torch.device | str) -> Packed:
-        return self._map(lambda t: t.to(device))
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight ``[N, K]`` (fp32 arithmetic, as gguf's dequantisation; then ``dtype``)."""
         n, k = self.shape
@@ -167,7 +164,3 @@ def cat_rows(ws: Sequence[Weight]) -> Weight:
     kind = kinds.pop()
     m = torch.cat([p.m for p in packed if p.m is not None]) if kind.has_min else None
     return Packed(kind, torch.cat([p.qs for p in packed]), torch.cat([p.d for p in packed]), m)
-
-
-def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    return w.dequantize(dtype) if isinstance(w, Packed) else w.to(dtype)
