@@ -26,14 +26,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).resolve().parent / "csrc" / name
-    for name in ("paged_attention.cpp", "gemm_bf16.cpp", "gemm_quant.cpp")
+    for name in ("paged_attention.cpp", "gemm_bf16.cpp", "gemm_quant.cpp", "decode_step.cpp")
 ]
+HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 BUILD_ROOT = Path(__file__).resolve().parent.parent / "build" / "kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]  # at::parallel_for is OpenMP
 
 
 def build_dir() -> Path:
-    key = "|".join([torch.__version__, *CFLAGS, *sorted(cpu_info().flags), *(p.read_text() for p in SOURCES)])
+    texts = [p.read_text() for p in [*SOURCES, *HEADERS]]
+    key = "|".join([torch.__version__, *CFLAGS, *sorted(cpu_info().flags), *texts])
     return BUILD_ROOT / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from torch_engine.config import ModelConfig, RopeScaling
 from torch_engine.parallel import TPGroup
-from torch_engine.quant import Packed
+from torch_engine.quant import Grouped
 
 
 class Linear(nn.Linear):
@@ -28,9 +28,10 @@ class Linear(nn.Linear):
     - Unpacked fp32 on a CPU pads 2- and 3-row inputs to 4 rows (MKL's 2-row GEMM cost 2.4x a
       1-row GEMV, its 3-row one 3.7x, 4 rows 2.4x).
 
-    - A weight kept as the GGUF stored it (``set_quant``: Q8_0 / Q4_0 / Q4_1, ``torch_engine/quant.py``):
-      up to ``QUANT_ROWS`` rows on the compiled ``gemm_q`` (the packed weight read once per call); more
-      rows (prefill) dequantise it (``dequant_q``) and run the dense GEMM.
+    - A weight kept as the GGUF stored it (``set_quant``: Q8_0 / Q4_0 / Q4_1 grouped for the integer
+      kernels, ``torch_engine/quant.py``): up to ``QUANT_ROWS`` rows on the compiled ``gemm_q8`` (the
+      activations quantized to int8 per 32-block, the weight read once per call); more rows (prefill)
+      dequantise it and run the dense GEMM.
 
     The original weight stays (tied embeddings).
     """
@@ -40,10 +41,10 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's layout
     vnni: torch.Tensor | None = None  # [N / 16, K / 2, 16, 2] for gemm_bf16
     kernels: ModuleType | None = None
-    quant: Packed | None = None
+    quant: Grouped | None = None
     quant_kernels: ModuleType | None = None
 
-    def set_quant(self, weight: Packed, dtype: torch.dtype, kernels: ModuleType) -> None:
+    def set_quant(self, weight: Grouped, dtype: torch.dtype, kernels: ModuleType) -> None:
         """Compute with ``weight`` as stored; the dense ``weight`` parameter goes away."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(
@@ -54,13 +55,12 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
 
-    def _quant_forward(self, x: torch.Tensor, q: Packed, kernels: ModuleType) -> torch.Tensor:
+    def _quant_forward(self, x: torch.Tensor, q: Grouped, kernels: ModuleType) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        bias = self.bias if self.bias is not None else _NO_BIAS
         if x2.shape[0] <= self.QUANT_ROWS:
-            y = kernels.gemm_q(x2, int(q.kind), q.qs, q.d, q.m if q.m is not None else _NO_BIAS, bias)
+            y = q.gemm(kernels, x2, self.bias if self.bias is not None else _NO_BIAS)
         else:
-            w = kernels.dequant_q(int(q.kind), q.qs, q.d, q.m if q.m is not None else _NO_BIAS).to(x.dtype)
+            w = q.rows(kernels).to(x.dtype)
             y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -101,20 +101,20 @@ _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 class Embedding(nn.Embedding):
     """``nn.Embedding``, or a table kept as stored (``set_quant``): the looked-up rows are dequantised."""
 
-    quant: Packed | None = None
+    quant: Grouped | None = None
+    quant_kernels: ModuleType | None = None
     quant_dtype: torch.dtype = torch.float32
 
-    def set_quant(self, weight: Packed, dtype: torch.dtype, kernels: ModuleType) -> None:
+    def set_quant(self, weight: Grouped, dtype: torch.dtype, kernels: ModuleType) -> None:
         if weight.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"a packed table of shape {weight.shape} for a {self.num_embeddings}-row embedding")
         self.register_parameter("weight", None)
-        self.quant, self.quant_dtype = weight, dtype
+        self.quant, self.quant_dtype, self.quant_kernels = weight, dtype, kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
+        if self.quant is None or self.quant_kernels is None:
             return super().forward(ids)
-        flat = ids.reshape(-1)
-        rows = self.quant.rows(flat).dequantize(self.quant_dtype)
+        rows = self.quant.rows(self.quant_kernels, ids.reshape(-1)).to(self.quant_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
 

@@ -19,7 +19,7 @@ from torch_engine.layers import Embedding, Linear, RMSNorm
 from torch_engine.models import build_model
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
-from torch_engine.quant import PACKED_KEY, Packed, QuantKind
+from torch_engine.quant import PACKED_KEY, Packed, QuantKind, group
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +102,13 @@ def load_weights(
 
 
 def _attach(model: CausalLM, packed: dict[str, Packed], dtype: torch.dtype, kernels: ModuleType, path: Path) -> None:
-    """The packed weights into their modules (tied: lm_head computes with the embedding's table)."""
+    """The packed weights, grouped for the integer kernels, into their modules (tied: lm_head computes
+    with the embedding's table)."""
     for name, p in packed.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, Linear | Embedding):
             raise ValueError(f"{path}: {name} is packed, but {type(module).__name__} cannot compute with it")
-        module.set_quant(p, dtype, kernels)
+        module.set_quant(group(p, kernels), dtype, kernels)
     if model.cfg.tie_word_embeddings:
         if model.embed.quant is not None:
             model.lm_head.set_quant(model.embed.quant, dtype, kernels)
@@ -131,9 +132,16 @@ def prepare_cpu_path(model: CausalLM, device: torch.device, dtype: torch.dtype) 
 
 
 def kernel_path(
-    model: CausalLM, device: torch.device, dtype: torch.dtype, prepacked: bool, fused_attention: bool, graphs: bool
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    prepacked: bool,
+    fused_attention: bool,
+    graphs: bool,
+    fused_step: bool = False,
 ) -> str:
-    """Which compute path an engine runs: device, dtype, weight preparation, decode graphs / attention."""
+    """Which compute path an engine runs: device, dtype, weight preparation, decode graphs / attention
+    (+ the compiled decode step)."""
     name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         return f"cuda/{name}/{'cuda-graphs' if graphs else 'eager'}"
@@ -143,8 +151,8 @@ def kernel_path(
     kinds = sorted({m.quant.kind.name.lower() for m in linears if m.quant is not None})
     if kinds and (kernels := cpu_kernels()) is not None:  # the dense rest (an MTP head's) after a "+"
         rest = f"+{gemm}" if any(m.quant is None for m in linears) else ""
-        gemm = f"{'+'.join(kinds)}-gemm-q-{kernels.gemm_q_path()}{rest}"
-    attention = "fused-attention" if fused_attention else "torch-attention"
+        gemm = f"{'+'.join(kinds)}-int8-{kernels.i8_path()}{rest}"
+    attention = ("fused-attention" if fused_attention else "torch-attention") + ("+fused-step" if fused_step else "")
     return f"cpu/{name}/{gemm}/{attention}/{cpu_info().simd}"
 
 

@@ -11,9 +11,13 @@ the kernels, and plain tensors for safetensors):
 - ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 only).
 
 Element values: Q8_0 ``d * q``, Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, computed in fp32 exactly as
-``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check). The
-kernels (``torch_engine/csrc/gemm_quant.cpp``) compute ``d * sum(q * x) + m * sum(x)`` per block:
-the same sum, rounded differently.
+``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
+
+The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
+and scales with 16 output rows interleaved, the layout of the integer kernels
+(``torch_engine/csrc/qgemm.h``), which multiply them with activations quantized to int8 per 32-block
+as llama.cpp does. Their result differs from the dequantised weight's GEMM by the activations'
+rounding only (each activation within half its block's step ``max|x| / 127``); the tests bound it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -141,6 +146,51 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
     qs = torch.from_numpy(blocks[:, :, first:].copy()).reshape(n, k // 2)
     m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)).reshape(n, k // BLOCK) if kind.has_min else None
     return Packed(kind, qs, d, m)
+
+
+@dataclass(frozen=True, slots=True)
+class Grouped:
+    """A ``Packed`` weight ``[n, k]`` repacked for the integer kernels (``csrc/qgemm.h``): quants
+    ``qs`` in groups of 16 interleaved output rows, scales ``d`` / minimums ``m`` ``[groups, k / 32, 16]``
+    (``m`` empty unless Q4_1)."""
+
+    kind: QuantKind
+    n: int
+    k: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts())
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self.qs, self.d, self.m]
+
+    def gemm(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` on the integer kernel (``x`` ``[R, k]`` fp32 or bf16; ``bias`` may be empty)."""
+        return kernels.gemm_q8(x, int(self.kind), self.qs, self.d, self.m, self.n, bias)
+
+    def rows(self, kernels: ModuleType, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (all if None) dequantised to fp32, as ``Packed.dequantize`` gives them."""
+        which = ids if ids is not None else _NO_IDS
+        return kernels.rows_q16(int(self.kind), self.qs, self.d, self.m, self.n, which)
+
+
+_NO_IDS = torch.empty(0, dtype=torch.long)
+
+
+def group(p: Packed, kernels: ModuleType) -> Grouped:
+    """``p`` repacked for the integer kernels (done once, at load)."""
+    n, k = p.shape
+    m = p.m if p.m is not None else torch.empty(0, dtype=torch.float16)
+    qs, d, mm = kernels.repack_q16(int(p.kind), p.qs.contiguous(), p.d.contiguous(), m.contiguous())
+    return Grouped(p.kind, n, k, qs, d, mm)
 
 
 Weight = torch.Tensor | Packed  # a checkpoint's tensor: dense, or kept as stored

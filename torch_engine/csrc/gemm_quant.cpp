@@ -1,269 +1,210 @@
-// Weight-only GEMM over GGUF-style block-quantized weights (torch_engine/quant.py): y[R, N] = x[R, K] @ W^T
-// (+ bias), W kept packed (Q8_0, Q4_0, Q4_1; blocks of 32 along K), x in fp32 or bf16. The decode shape:
-// a few rows, each weight read once per step at its packed size (Q4_1: 0.625 bytes a weight, 6.4x less
-// than fp32).
+// Integer GEMM over block-quantized weights kept as the GGUF stored them (torch_engine/quant.py), the
+// Python-facing side of qgemm.h: repacking a weight into groups of 16 interleaved outputs, quantizing
+// activations per 32-block, the GEMM, and dequantised rows (the embedding lookup, the prefill path's dense
+// tiles). The decode shape: a few rows, each weight read once per step at its packed size (Q4_1: 0.625
+// bytes a weight, 6.4x less than fp32).
 //
-// Per block of 32 weights and row r: t = sum(q_i * x_i) in fp32 (the quants are small integers, exact
-// in fp32), then y += d * t, and for the offset formats + m * sum(x) (Q4_1) or - 8 * d * sum(x) (Q4_0),
-// with sum(x) per block computed once per call. That is the dequantised GEMM's sum, rounded differently.
-// With AVX2 + FMA (+ F16C for the fp16 scales) each block's quants become four 8-float vectors in
-// registers, shared by the rows of x and by NR output rows at once (independent FMA chains); without
-// AVX2 a scalar loop (the compiler's vectorisation). Output rows are split over threads.
-//
-//   gemm_q(x [R, K], kind, qs, d, m or empty, bias [N] or empty) -> [R, N] in x's dtype
-//   dequant_q(kind, qs, d, m or empty) -> [N, K] fp32 (the prefill path: dense tiles for the BLAS)
-//   gemm_q_path() -> "avx2" or "scalar"
+//   repack_q16(kind, qs, d, m or empty) -> [qs16, d16, m16 or empty]
+//   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
+//   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty) -> [R, N] in x's dtype (fp32 or bf16)
+//   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
+//   i8_path() -> "avx512-vnni", "avx2" or "scalar"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
+#include <string>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define DISAGG_Q_AVX2 1
-#endif
+#include "qgemm.h"
 
 namespace {
 
-constexpr int64_t BLOCK = 32;
-constexpr int64_t PREFETCH = 512;  // bytes ahead in a weight row
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+using disagg_q::BLOCK;
+using disagg_q::Q4_0;
+using disagg_q::Q4_1;
+using disagg_q::Q8_0;
 
-inline float half_to_float(const at::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
+// ---- the integer path (qgemm.h): weights repacked in groups of 16 outputs, activations quantized ----------
 
-struct Weights {
-  Kind kind;
-  const uint8_t* qs;  // Q4: K / 2 bytes a row; Q8: K int8 a row
-  const at::Half* d;
-  const at::Half* m;  // Q4_1 only
-  int64_t K;
-  int64_t row_bytes() const { return kind == Q8_0 ? K : K / 2; }
-};
-
-#if defined(DISAGG_Q_AVX2)
-// The 32 weights of one block as four vectors of 8 floats (integer quants, offset not applied).
-template <Kind KD>
-inline void load_block(const uint8_t* q, __m256 out[4]) {
-  if constexpr (KD == Q8_0) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m128i a = _mm256_castsi256_si128(raw), b = _mm256_extracti128_si256(raw, 1);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  } else {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t N) {
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quant kind ", kind);
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
+              "d16 must be [groups, K/32, 16] fp16");
+  const int64_t G = d.size(0), NB = d.size(1);
+  TORCH_CHECK(N > 0 && (N + disagg_q::GROUP - 1) / disagg_q::GROUP == G, "N ", N, " does not fit ", G, " groups");
+  const auto k = static_cast<disagg_q::Kind>(kind);
+  TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == G * NB * disagg_q::Q16::block_bytes(k),
+              "qs16 does not fit d16");
+  disagg_q::Q16 w;
+  w.kind = k;
+  w.N = N;
+  w.K = NB * disagg_q::BLOCK;
+  w.qs = static_cast<const uint8_t*>(qs.data_ptr());
+  w.d = static_cast<const uint16_t*>(d.data_ptr());
+  if (kind == Q4_1) {
+    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.element_size() == 2 && m.is_contiguous(),
+                "Q4_1 needs m16 shaped as d16");
+    w.m = static_cast<const uint16_t*>(m.data_ptr());
   }
+  return w;
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Output rows [n0, n0 + NR) for input rows [r0, r0 + R); the format a template argument (a run-time
-// one cost 1.7-4x here: the compiler no longer keeps the block's vectors in registers).
-template <Kind KD, int R, int NR>
-void tile(const Weights& w, const float* x, const float* xsum, float* y, int64_t N, int64_t n0, int64_t r0) {
-  constexpr int64_t qb = KD == Q8_0 ? BLOCK : BLOCK / 2;
-  const int64_t K = w.K, NB = K / BLOCK;
-  const uint8_t* __restrict qs = w.qs;
-  const at::Half* __restrict ds = w.d;
-  const at::Half* __restrict ms = w.m;
-  __m256 acc[NR][R];
-  float off[NR][R];
-  for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < R; ++r) {
-      acc[j][r] = _mm256_setzero_ps();
-      off[j][r] = 0.f;
-    }
-  for (int64_t b = 0; b < NB; ++b) {
-    for (int j = 0; j < NR; ++j) {
-      const int64_t n = n0 + j;
-      _mm_prefetch(reinterpret_cast<const char*>(qs + n * (NB * qb) + b * qb + PREFETCH), _MM_HINT_T0);
-      __m256 q[4];
-      load_block<KD>(qs + n * (NB * qb) + b * qb, q);
-      const float d = half_to_float(ds[n * NB + b]);
-      const __m256 dv = _mm256_set1_ps(d);
-      float o = 0.f;
-      if constexpr (KD == Q4_1) o = half_to_float(ms[n * NB + b]);
-      if constexpr (KD == Q4_0) o = -8.f * d;
-      for (int r = 0; r < R; ++r) {
-        const float* xb = x + (r0 + r) * K + b * BLOCK;
-        const __m256 t0 = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xb), _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + 8)));
-        const __m256 t1 =
-            _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), _mm256_mul_ps(q[3], _mm256_loadu_ps(xb + 24)));
-        acc[j][r] = _mm256_fmadd_ps(dv, _mm256_add_ps(t0, t1), acc[j][r]);
-        if constexpr (KD != Q8_0) off[j][r] += o * xsum[(r0 + r) * NB + b];
-      }
-    }
-  }
-  for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n0 + j] = hsum(acc[j][r]) + off[j][r];
-}
-
-template <Kind KD, int R>
-void rows(const Weights& w, const float* x, const float* xsum, float* y, int64_t N, int64_t n0, int64_t n1,
-          int64_t r0) {
-  constexpr int NR = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<KD, R, NR>(w, x, xsum, y, N, n, r0);
-  for (; n < n1; ++n) tile<KD, R, 1>(w, x, xsum, y, N, n, r0);
-}
-
-template <Kind KD>
-void all_rows(const Weights& w, const float* x, const float* xsum, float* y, int64_t R, int64_t N, int64_t n0,
-              int64_t n1) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) rows<KD, 4>(w, x, xsum, y, N, n0, n1, r);
-  switch (R - r) {
-    case 3: rows<KD, 3>(w, x, xsum, y, N, n0, n1, r); break;
-    case 2: rows<KD, 2>(w, x, xsum, y, N, n0, n1, r); break;
-    case 1: rows<KD, 1>(w, x, xsum, y, N, n0, n1, r); break;
-    default: break;
-  }
-}
-#endif
-
-// The scalar path: element values as quant.py's dequantisation computes them.
-void rows_scalar(const Weights& w, const float* x, float* y, int64_t R, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t K = w.K, NB = K / BLOCK;
-  std::vector<float> row(K);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* q = w.qs + n * w.row_bytes();
-    for (int64_t b = 0; b < NB; ++b) {
-      const float d = half_to_float(w.d[n * NB + b]);
-      const float m = w.kind == Q4_1 ? half_to_float(w.m[n * NB + b]) : 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        float v;
-        if (w.kind == Q8_0) {
-          v = d * static_cast<float>(static_cast<int8_t>(q[b * BLOCK + i]));
-        } else {
-          const uint8_t byte = q[b * BLOCK / 2 + (i % 16)];
-          const int nib = i < 16 ? (byte & 0x0F) : (byte >> 4);
-          v = w.kind == Q4_0 ? d * static_cast<float>(nib - 8) : d * static_cast<float>(nib) + m;
-        }
-        row[b * BLOCK + i] = v;
-      }
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += row[k] * x[r * K + k];
-      y[r * N + n] = s;
-    }
-  }
-}
-
-Weights weights_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m) {
+// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32]) -> [qs16, d16, m16 or empty] (qgemm.h).
+std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quant kind ", kind);
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(), "d must be [N, K/32] fp16");
-  const int64_t N = d.size(0), K = d.size(1) * BLOCK;
+  const int64_t N = d.size(0), K = d.size(1) * BLOCK, NB = K / BLOCK, G = (N + 15) / 16;
   const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
-  const at::Half* mp = nullptr;
-  if (kind == Q4_1) {
-    TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * (K / BLOCK),
+  if (kind == Q4_1)
+    TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 needs m [N, K/32] fp16");
-    mp = m.data_ptr<at::Half>();
-  }
-  return Weights{static_cast<Kind>(kind), static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), mp, K};
-}
-
-torch::Tensor gemm_q(torch::Tensor x, int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                     torch::Tensor bias) {
-  const Weights w = weights_of(kind, qs, d, m);
-  const int64_t N = d.size(0), K = w.K;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "gemm_q takes x [R, ", K, "]");
-  const auto out_dtype = x.scalar_type();
-  TORCH_CHECK(out_dtype == torch::kFloat || out_dtype == torch::kBFloat16, "gemm_q takes fp32 or bf16 x");
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  const int64_t R = xf.size(0), NB = K / BLOCK;
-  auto y = torch::empty({R, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-#if defined(DISAGG_Q_AVX2)
-  std::vector<float> xsum(R * NB, 0.f);
-  if (w.kind != Q8_0)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t b = 0; b < NB; ++b) {
-        float s = 0.f;
-        for (int64_t i = 0; i < BLOCK; ++i) s += xp[r * K + b * BLOCK + i];
-        xsum[r * NB + b] = s;
-      }
-  const float* xs = xsum.data();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (w.kind) {
-      case Q8_0: all_rows<Q8_0>(w, xp, xs, yp, R, N, n0, n1); break;
-      case Q4_0: all_rows<Q4_0>(w, xp, xs, yp, R, N, n0, n1); break;
-      case Q4_1: all_rows<Q4_1>(w, xp, xs, yp, R, N, n0, n1); break;
-    }
-  });
-#else
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { rows_scalar(w, xp, yp, R, N, n0, n1); });
+  const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
+  const at::Half* dsrc = d.data_ptr<at::Half>();
+  const at::Half* msrc = kind == Q4_1 ? m.data_ptr<at::Half>() : nullptr;
+  const auto k = static_cast<disagg_q::Kind>(kind);
+  const int64_t BB = disagg_q::Q16::block_bytes(k);
+  auto qs16 = torch::zeros({G * NB * BB}, torch::TensorOptions().dtype(torch::kUInt8));
+  auto d16 = torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf));
+  auto m16 = kind == Q4_1 ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf)) : torch::Tensor();
+  uint8_t* out = qs16.data_ptr<uint8_t>();
+  at::Half* dout = d16.data_ptr<at::Half>();
+  at::Half* mout = kind == Q4_1 ? m16.data_ptr<at::Half>() : nullptr;
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < 16 && g * 16 + j < N; ++j) {
+        const int64_t n = g * 16 + j;
+        const uint8_t* src = qsrc + n * row_bytes;
+        for (int64_t b = 0; b < NB; ++b) {
+          uint8_t* blk = out + (g * NB + b) * BB;
+          dout[(g * NB + b) * 16 + j] = dsrc[n * NB + b];
+          if (mout != nullptr) mout[(g * NB + b) * 16 + j] = msrc[n * NB + b];
+          if (kind == Q8_0) {
+            for (int64_t c = 0; c < 8; ++c)
+              for (int64_t i = 0; i < 4; ++i) {
+                int8_t v = static_cast<int8_t>(src[b * BLOCK + 4 * c + i]);
+#if defined(DISAGG_I8_AVX2)
+                v = std::max<int8_t>(v, -127);  // the sign trick cannot negate -128 (gguf never writes it)
 #endif
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == N, "bias must be [N]");
-    y.add_(bias.to(torch::kFloat));
-  }
-  return out_dtype == torch::kFloat ? y : y.to(out_dtype);
-}
-
-torch::Tensor dequant_q(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
-  const Weights w = weights_of(kind, qs, d, m);
-  const int64_t N = d.size(0), K = w.K, NB = K / BLOCK;
-  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat));
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* q = w.qs + n * w.row_bytes();
-      for (int64_t b = 0; b < NB; ++b) {
-        const float dv = half_to_float(w.d[n * NB + b]);
-        const float mv = w.kind == Q4_1 ? half_to_float(w.m[n * NB + b]) : 0.f;
-        float* o = op + n * K + b * BLOCK;
-        if (w.kind == Q8_0) {
-          for (int64_t i = 0; i < BLOCK; ++i) o[i] = dv * static_cast<float>(static_cast<int8_t>(q[b * BLOCK + i]));
-        } else {
-          for (int64_t i = 0; i < BLOCK / 2; ++i) {
-            const uint8_t byte = q[b * BLOCK / 2 + i];
-            const float lo = static_cast<float>(byte & 0x0F), hi = static_cast<float>(byte >> 4);
-            o[i] = w.kind == Q4_0 ? dv * (lo - 8.f) : dv * lo + mv;
-            o[i + 16] = w.kind == Q4_0 ? dv * (hi - 8.f) : dv * hi + mv;
+                blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(v);
+              }
+          } else {
+            auto nib = [&](int64_t e) -> uint8_t {  // element e of the block (GGUF order)
+              const uint8_t byte = src[b * BLOCK / 2 + (e % 16)];
+              return e < 16 ? (byte & 0x0F) : (byte >> 4);
+            };
+            for (int64_t c = 0; c < 4; ++c)
+              for (int64_t i = 0; i < 4; ++i)
+                blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(nib(8 * c + i) | (nib(8 * c + 4 + i) << 4));
           }
         }
       }
-    }
   });
-  return out;
+  return {qs16, d16, kind == Q4_1 ? m16 : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf))};
 }
 
-std::string path() {
-#if defined(DISAGG_Q_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
+struct QuantizedAct {
+  torch::Tensor q, dx, s;
+  disagg_q::ActQ8 view() const {
+    disagg_q::ActQ8 a;
+    a.q = q.data_ptr<int8_t>();
+    a.dx = dx.data_ptr<float>();
+    a.s = s.data_ptr<int32_t>();
+    a.K = q.size(1);
+    return a;
+  }
+};
+
+QuantizedAct quantize(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0, "activations must be [R, K] with K a multiple of 32");
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  const int64_t R = xf.size(0), K = xf.size(1), NB = K / BLOCK;
+  QuantizedAct a{torch::empty({R, K}, torch::TensorOptions().dtype(torch::kChar)),
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt))};
+  const float* xp = xf.data_ptr<float>();
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* dx = a.dx.data_ptr<float>();
+  int32_t* s = a.s.data_ptr<int32_t>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s); });
+  return a;
+}
+
+std::vector<torch::Tensor> quantize_act(torch::Tensor x) {
+  const QuantizedAct a = quantize(x);
+  return {a.q, a.dx, a.s};
+}
+
+torch::Tensor gemm_q8(torch::Tensor x, int64_t kind, torch::Tensor qs16, torch::Tensor d16, torch::Tensor m16, int64_t N,
+                      torch::Tensor bias) {
+  const disagg_q::Q16 w = q16_of(kind, qs16, d16, m16, N);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "gemm_q8 takes x [R, ", w.K, "]");
+  const auto out_dtype = x.scalar_type();
+  TORCH_CHECK(out_dtype == torch::kFloat || out_dtype == torch::kBFloat16, "gemm_q8 takes fp32 or bf16 x");
+  const QuantizedAct a = quantize(x);
+  const disagg_q::ActQ8 av = a.view();
+  const int64_t R = x.size(0);
+  auto y = torch::empty({R, N}, torch::TensorOptions().dtype(torch::kFloat));
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == N, "bias must be [N]");
+    bf = bias.to(torch::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, w.groups(), 4,
+                   [&](int64_t g0, int64_t g1) { disagg_q::gemm_groups(w, av, R, g0, g1, yp, N, bp); });
+  return out_dtype == torch::kFloat ? y : y.to(out_dtype);
+}
+
+// Rows `ids` of a repacked weight, dequantised (fp32): the embedding lookup of a table kept as stored, and
+// (all rows) the prefill path's dense tiles.
+void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
+  const int64_t NB = w.NB(), BB = disagg_q::Q16::block_bytes(w.kind), g = n / 16, j = n % 16;
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* blk = w.qs + (g * NB + b) * BB;
+    const float d = disagg_q::fp16_to_float(w.d[(g * NB + b) * 16 + j]);
+    float* o = out + b * BLOCK;
+    if (w.kind == Q8_0) {
+      for (int64_t c = 0; c < 8; ++c)
+        for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
+    } else {
+      const float mn = w.kind == Q4_1 ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
+      for (int64_t c = 0; c < 4; ++c)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t byte = blk[c * 64 + j * 4 + i];
+          const float lo = static_cast<float>(byte & 0x0F), hi = static_cast<float>(byte >> 4);
+          o[8 * c + i] = w.kind == Q4_0 ? d * (lo - 8.f) : d * lo + mn;
+          o[8 * c + 4 + i] = w.kind == Q4_0 ? d * (hi - 8.f) : d * hi + mn;
+        }
+    }
+  }
+}
+
+torch::Tensor rows_q16(int64_t kind, torch::Tensor qs16, torch::Tensor d16, torch::Tensor m16, int64_t N,
+                       torch::Tensor ids) {
+  const disagg_q::Q16 w = q16_of(kind, qs16, d16, m16, N);
+  const bool all = !ids.defined() || ids.numel() == 0;
+  torch::Tensor idx = all ? torch::Tensor() : ids.to(torch::kLong).contiguous();
+  const int64_t T = all ? N : idx.numel();
+  const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < (all ? 0 : T); ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row ", ip[t], " outside [0, ", N, ")");
+  auto out = torch::empty({T, w.K}, torch::TensorOptions().dtype(torch::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) dequant_row(w, all ? t : ip[t], op + t * w.K);
+  });
+  return out;
 }
 
 }  // namespace
 
 void register_gemm_quant(pybind11::module& m) {
-  m.def("gemm_q", &gemm_q, "weight-only GEMM over block-quantized weights (Q8_0 / Q4_0 / Q4_1)");
-  m.def("dequant_q", &dequant_q, "block-quantized weight -> dense fp32");
-  m.def("gemm_q_path", &path, "the instruction set gemm_q was built for");
+  m.def("repack_q16", &repack_q16, "packed weight -> groups of 16 interleaved outputs for the integer kernels");
+  m.def("quantize_act", &quantize_act, "activations -> int8 per 32-block (q, dx, s)");
+  m.def("gemm_q8", &gemm_q8, "integer GEMM: repacked weight x activations quantized per 32-block");
+  m.def("rows_q16", &rows_q16, "rows of a repacked weight (all if ids is empty), dequantised to fp32");
+  m.def("i8_path", []() { return std::string(disagg_q::i8_path()); }, "the instruction set of the integer kernels");
 }

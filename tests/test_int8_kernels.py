@@ -1,0 +1,120 @@
+"""The integer kernels (``torch_engine/csrc/qgemm.h``) on every instruction-set path this CPU can run.
+
+The engine builds its kernels for the CPU at hand (``-march=native``), so a test run exercises one
+path only. Here the header is compiled again, through a small C entry point
+(``tests/csrc/qgemm_capi.cpp``), for each level this CPU can execute: ``x86-64`` (the scalar loops),
+``x86-64-v3`` (AVX2 + FMA + F16C: ``vpmaddubsw``) and ``native`` (AVX-512 VNNI where present). Each
+must compute the product of the weight and the *quantized* activations — checked against a float64
+GEMM over the dequantised weight and the dequantised activations — and all agree with each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from torch_engine.cpu import cpu_info
+from torch_engine.kernels import CFLAGS, cpu_kernels
+from torch_engine.quant import QuantKind, from_gguf_blocks, group
+
+SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
+LEVELS = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "f16c"}, "native": set()}
+KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
+
+
+def _compile(level: str, out: Path) -> ctypes.CDLL:
+    obj, lib = out / f"qgemm-{level}.o", out / f"qgemm-{level}.so"
+    flags = [f for f in CFLAGS if not f.startswith("-march") and f != "-fopenmp"]
+    subprocess.run(["g++", "-c", "-fPIC", f"-march={level}", *flags, str(SHIM), "-o", str(obj)], check=True)
+    # linked without -ffast-math: with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the
+    # whole process when the library loads (the router fuzzer's hypothesis then refuses to run)
+    subprocess.run(["g++", "-shared", str(obj), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.qgemm_path.restype = ctypes.c_char_p
+    return so
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
+    if shutil.which("g++") is None or cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    out = tmp_path_factory.mktemp("qgemm")
+    have = cpu_info().flags
+    return {lvl: _compile(lvl, out) for lvl, needs in LEVELS.items() if needs <= have}
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _weight(kind: QuantKind, n: int, k: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A random weight quantized by gguf, grouped by the engine's kernels; and its dequantised values."""
+    rng = np.random.default_rng(seed)
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType(int(kind)))
+    p = from_gguf_blocks(kind, raw, (n, k))
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = group(p, kernels)
+    parts = [g.qs.numpy(), g.d.view(torch.int16).numpy(), g.m.view(torch.int16).numpy()]
+    return parts, p.dequantize().double().numpy()
+
+
+def _run(so: ctypes.CDLL, kind: QuantKind, parts: list[np.ndarray], n: int, x: np.ndarray, bias: np.ndarray | None,
+         acc: np.ndarray | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
+    r, k = x.shape
+    q = np.empty((r, k), np.int8)
+    dx = np.empty((r, k // 32), np.float32)
+    s = np.empty((r, k // 32), np.int32)
+    so.qgemm_quantize(_ptr(x), ctypes.c_int64(r), ctypes.c_int64(k), _ptr(q), _ptr(dx), _ptr(s))
+    y = acc.copy() if acc is not None else np.zeros((r, n), np.float32)
+    qs, d, m = parts
+    so.qgemm_gemm(
+        ctypes.c_int64(int(kind)), ctypes.c_int64(n), ctypes.c_int64(k), _ptr(qs), _ptr(d),
+        _ptr(m) if m.size else ctypes.c_void_p(0), _ptr(q), _ptr(dx), _ptr(s), ctypes.c_int64(r), _ptr(y),
+        _ptr(bias) if bias is not None else ctypes.c_void_p(0), ctypes.c_int(acc is not None),
+    )  # fmt: skip
+    return y, (q, dx, s)
+
+
+def test_the_paths_this_cpu_runs_are_compiled(paths: dict[str, ctypes.CDLL]) -> None:
+    names = {lvl: so.qgemm_path().decode() for lvl, so in paths.items()}
+    assert names["x86-64"] == "scalar"
+    if "x86-64-v3" in names:
+        assert names["x86-64-v3"] == "avx2"
+    kernels = cpu_kernels()
+    assert kernels is not None and names["native"] == kernels.i8_path()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (200, 320, 3), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
+def test_every_path_computes_the_product_of_the_quantized_activations(
+    paths: dict[str, ctypes.CDLL], kind: QuantKind, n: int, k: int, rows: int
+) -> None:
+    parts, w = _weight(kind, n, k, seed=n + rows)
+    rng = np.random.default_rng(rows)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, quants 0
+    bias = rng.standard_normal(n).astype(np.float32)
+    acc = rng.standard_normal((rows, n)).astype(np.float32)
+    outs = {}
+    for lvl, so in paths.items():
+        y, (q, dx, s) = _run(so, kind, parts, n, x, bias, acc)
+        assert np.abs(q).max() <= 127 and np.array_equal(q.reshape(rows, -1, 32).sum(-1, dtype=np.int32), s), lvl
+        step = dx.astype(np.float64).repeat(32, axis=1)
+        xq = q.astype(np.float64) * step
+        assert np.all(np.abs(xq - x) <= step / 2 * (1 + 1e-5) + 1e-30), lvl  # round to nearest
+        want = acc.astype(np.float64) + xq @ w.T + bias
+        scale = np.abs(xq) @ np.abs(w).T + np.abs(acc) + np.abs(bias)
+        assert np.all(np.abs(y - want) <= 2e-6 * scale + 1e-6), lvl
+        outs[lvl] = y
+    first = outs["x86-64"]
+    for lvl, y in outs.items():
+        assert np.allclose(y, first, rtol=1e-5, atol=1e-5), lvl

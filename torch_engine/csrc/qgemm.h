@@ -1,0 +1,353 @@
+// Integer GEMM over block-quantized weights (Q8_0 / Q4_0 / Q4_1, blocks of 32 along K) and activations
+// quantized to int8 per 32-block, as llama.cpp computes: y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i
+// (+ the format's offset term). Shared by gemm_quant.cpp (the Python-facing GEMM) and decode_step.cpp
+// (the fused decode step), so both compute bit-identical results.
+//
+// Weights are repacked once at load ("Q16", repack() in gemm_quant.cpp) with GROUP = 16 output rows
+// interleaved: for each group and each 32-block, 64-byte chunks whose byte j * 4 + i belongs to output j
+// of the group and to 4 consecutive k. One chunk is one vector of 16 outputs x 4 k: `vpdpbusd` multiplies
+// it with 4 broadcast activation bytes and accumulates 16 outputs at once, with no horizontal sums.
+//   Q4: 4 chunks a block; chunk c's low nibbles are k = 8c..8c+3, its high nibbles k = 8c+4..8c+7.
+//   Q8: 8 chunks a block; chunk c holds k = 4c..4c+3 (signed bytes).
+//   Scales (and Q4_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
+//
+// Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
+// [-127, 127] (nearest, ties to even), s = sum(q). The error of the product is that of the activations'
+// rounding (|x - dx * q| <= dx / 2 per element); the weight side is exact.
+//
+// Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
+//   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
+//                offset's 128 * s taken off again;
+//   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 by the sign trick (|x| x sign(w, x));
+//   scalar       plain loops (any CPU).
+// Each computes the same integer sums; only the float accumulation order differs.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DISAGG_I8_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DISAGG_I8_AVX2 1
+#endif
+
+namespace disagg_q {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t GROUP = 16;
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+inline const char* i8_path() {
+#if defined(DISAGG_I8_AVX512)
+  return "avx512-vnni";
+#elif defined(DISAGG_I8_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// A repacked weight [N, K] (see the top of the file).
+struct Q16 {
+  Kind kind = Q8_0;
+  int64_t N = 0, K = 0;
+  const uint8_t* qs = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;  // Q4_1 only
+  int64_t NB() const { return K / BLOCK; }
+  int64_t groups() const { return (N + GROUP - 1) / GROUP; }
+  static constexpr int64_t block_bytes(Kind k) { return k == Q8_0 ? 512 : 256; }
+  int64_t group_bytes() const { return NB() * block_bytes(kind); }
+};
+
+// R rows of activations quantized per 32-block.
+struct ActQ8 {
+  const int8_t* q = nullptr;  // [R, K]
+  const float* dx = nullptr;  // [R, NB]
+  const int32_t* s = nullptr;  // [R, NB]
+  int64_t K = 0;
+};
+
+// ---- activations -------------------------------------------------------------------------------------
+
+// One 32-block of activations -> its quants, scale and quant sum.
+inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s) {
+#if defined(__AVX512F__)
+  const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float d = amax / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+  const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
+  *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < BLOCK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+    qb[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    sum += qb[i];
+  }
+  *s = sum;
+#endif
+  *dx = d;
+}
+
+// Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s (each row's blocks in order).
+inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* dx, int32_t* s) {
+  const int64_t NB = K / BLOCK;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < NB; ++b)
+      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + r * NB + b, s + r * NB + b);
+}
+
+// ---- the kernels: one group of 16 outputs for a tile of R rows ---------------------------------------
+// y[(r0 + r) * ldy + g * 16 + j] = sum over blocks (+ bias[g * 16 + j]) for j < 16 and g * 16 + j < N.
+
+// accumulate: y += the result (a residual add) instead of y = the result.
+inline void store_group(const float* vals, float* y, const float* bias, int64_t n0, int64_t N, bool accumulate) {
+  const int64_t n = std::min<int64_t>(GROUP, N - n0);
+  for (int64_t j = 0; j < n; ++j)
+    y[n0 + j] = (accumulate ? y[n0 + j] : 0.0f) + vals[j] + (bias != nullptr ? bias[n0 + j] : 0.0f);
+}
+
+#if defined(DISAGG_I8_AVX512)
+template <Kind KD, int R>
+inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
+                       const float* bias, bool accumulate) {
+  constexpr int64_t BB = Q16::block_bytes(KD);
+  const int64_t NB = w.NB(), K = w.K;
+  const uint8_t* qg = w.qs + g * NB * BB;
+  const uint16_t* dg = w.d + g * NB * GROUP;
+  const uint16_t* mg = KD == Q4_1 ? w.m + g * NB * GROUP : nullptr;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* qb = qg + b * BB;
+    _mm_prefetch(reinterpret_cast<const char*>(qb + 4 * BB), _MM_HINT_T0);
+    __m512i wv[8];
+    if constexpr (KD == Q8_0) {
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(qb + c * 64);
+        wv[2 * c] = _mm512_and_si512(v, low4);
+        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * GROUP)));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (KD == Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, wv[c], _mm512_set1_epi32(xi[c]));
+        a1 = _mm512_dpbusd_epi32(a1, wv[c + 1], _mm512_set1_epi32(xi[c + 1]));
+      }
+      __m512i a = _mm512_add_epi32(a0, a1);
+      const int32_t s = x.s[row * NB + b];
+      if constexpr (KD == Q4_0) a = _mm512_sub_epi32(a, _mm512_set1_epi32(8 * s));
+      if constexpr (KD == Q8_0) a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * s));
+      const float dx = x.dx[row * NB + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
+      if constexpr (KD == Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(dx * static_cast<float>(s)), acc[r]);
+    }
+  }
+  const int64_t n0 = g * GROUP;
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + (r0 + r) * ldy;
+    if (n0 + GROUP <= w.N) {
+      __m512 v = acc[r];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+      if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yr + n0));
+      _mm512_storeu_ps(yr + n0, v);
+    } else {
+      alignas(64) float vals[GROUP];
+      _mm512_store_ps(vals, acc[r]);
+      store_group(vals, yr, bias, n0, w.N, accumulate);
+    }
+  }
+}
+constexpr int TILE_ROWS = 8;
+
+#elif defined(DISAGG_I8_AVX2)
+// Eight outputs (half h of the group) at a time: 16 ymm registers do not hold a whole group's block.
+template <Kind KD, int R>
+inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h, __m256 acc[R]) {
+  constexpr int64_t BB = Q16::block_bytes(KD);
+  const int64_t NB = w.NB(), K = w.K;
+  const uint8_t* qg = w.qs + g * NB * BB + h * 32;
+  const uint16_t* dg = w.d + g * NB * GROUP + h * 8;
+  const uint16_t* mg = KD == Q4_1 ? w.m + g * NB * GROUP + h * 8 : nullptr;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* qb = qg + b * BB;
+    _mm_prefetch(reinterpret_cast<const char*>(qb + 4 * BB), _MM_HINT_T0);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * GROUP)));
+    __m256 mv = _mm256_setzero_ps();
+    if constexpr (KD == Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
+      __m256i a;
+      if constexpr (KD == Q8_0) {
+        a = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
+          const __m256i xb = _mm256_set1_epi32(xi[c]);
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wq, xb));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
+        }
+      } else {
+        // 8 products of <= 15 * 127 per 16-bit lane pair: at most 30,480, no saturation
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xi[2 * c])));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xi[2 * c + 1])));
+        }
+        a = _mm256_madd_epi16(p, ones);
+      }
+      const int32_t s = x.s[row * NB + b];
+      if constexpr (KD == Q4_0) a = _mm256_sub_epi32(a, _mm256_set1_epi32(8 * s));
+      const float dx = x.dx[row * NB + b];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
+      if constexpr (KD == Q4_1) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(dx * static_cast<float>(s)), acc[r]);
+    }
+  }
+}
+
+template <Kind KD, int R>
+inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
+                       const float* bias, bool accumulate) {
+  alignas(32) float vals[R][GROUP];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    half_tile<KD, R>(w, x, r0, g, h, acc);
+    for (int r = 0; r < R; ++r) _mm256_store_ps(vals[r] + h * 8, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) store_group(vals[r], y + (r0 + r) * ldy, bias, g * GROUP, w.N, accumulate);
+}
+constexpr int TILE_ROWS = 4;
+
+#else
+template <Kind KD, int R>
+inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
+                       const float* bias, bool accumulate) {
+  constexpr int64_t BB = Q16::block_bytes(KD);
+  const int64_t NB = w.NB(), K = w.K;
+  float vals[R][GROUP] = {};
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* qb = w.qs + (g * NB + b) * BB;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      const float d = fp16_to_float(w.d[(g * NB + b) * GROUP + j]);
+      const float mn = KD == Q4_1 ? fp16_to_float(w.m[(g * NB + b) * GROUP + j]) : 0.0f;
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xq = x.q + row * K + b * BLOCK;
+        int32_t dot = 0;
+        if constexpr (KD == Q8_0) {
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i) dot += static_cast<int8_t>(qb[c * 64 + j * 4 + i]) * xq[4 * c + i];
+        } else {
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = qb[c * 64 + j * 4 + i];
+              dot += (byte & 0x0F) * xq[8 * c + i] + (byte >> 4) * xq[8 * c + 4 + i];
+            }
+        }
+        const int32_t s = x.s[row * NB + b];
+        if constexpr (KD == Q4_0) dot -= 8 * s;
+        const float dx = x.dx[row * NB + b];
+        vals[r][j] += static_cast<float>(dot) * (d * dx);
+        if constexpr (KD == Q4_1) vals[r][j] += mn * (dx * static_cast<float>(s));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_group(vals[r], y + (r0 + r) * ldy, bias, g * GROUP, w.N, accumulate);
+}
+constexpr int TILE_ROWS = 4;
+#endif
+
+// Groups [g0, g1) of every row of x: the caller splits groups over threads.
+template <Kind KD>
+inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
+                        const float* bias, bool accumulate) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t r = 0;
+    for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+    switch (R - r) {
+      case 7: group_tile<KD, 7>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 6: group_tile<KD, 6>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 5: group_tile<KD, 5>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 4: group_tile<KD, 4>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 3: group_tile<KD, 3>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 2: group_tile<KD, 2>(w, x, r, g, y, ldy, bias, accumulate); break;
+      case 1: group_tile<KD, 1>(w, x, r, g, y, ldy, bias, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
+                        const float* bias, bool accumulate = false) {
+  switch (w.kind) {
+    case Q8_0: groups_kind<Q8_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q4_0: groups_kind<Q4_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q4_1: groups_kind<Q4_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+  }
+}
+
+// The share [begin, end) of `total` items that thread `t` of `n` takes.
+inline std::pair<int64_t, int64_t> share(int64_t total, int t, int n) {
+  const int64_t per = total / n, extra = total % n;
+  const int64_t begin = t * per + std::min<int64_t>(t, extra);
+  return {begin, begin + per + (t < extra ? 1 : 0)};
+}
+
+}  // namespace disagg_q
