@@ -12,134 +12,34 @@
 //   returns    [B, Hq, D]            q's dtype
 //
 // Grouped-query attention: the G = Hq / Hkv query heads of a KV head share each K and V load.
-// Work is split over (sequence, KV head) pairs with at::parallel_for.
+// Work is split over sequences with at::parallel_for (each reads its pages in address order).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "attention.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-// 16 elements -> 16 floats (bf16: the 16 bits become the high half of an fp32).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// dot(qg, row) for D a multiple of 16
-template <typename T>
-inline float dot16(const float* qg, const T* row, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(row + d), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-// ag += p * row for D a multiple of 16
-template <typename T>
-inline void axpy16(float* ag, float p, const T* row, int64_t D) {
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 16)
-    _mm512_storeu_ps(ag + d, _mm512_fmadd_ps(pv, load16(row + d), _mm512_loadu_ps(ag + d)));
-}
-#endif
-
-template <typename T>
-inline float to_f(T x) {
-  return static_cast<float>(x);
-}
-
-// One (sequence, KV head) job, a page of tokens at a time: the G query heads' scores for the page,
-// one rescale of the running sums per page (not per token), the exponentials of the whole page in
-// one vectorisable loop, then the page's values accumulated; K and V rows are converted once each.
-template <typename T, int64_t KD>
-void decode_job(const T* q, const T* pool, const int64_t* row, int64_t n, T* out, int64_t G, int64_t dyn_d, int64_t P,
-                int64_t page_stride, int64_t kv_stride, int64_t token_stride, float scale, float* qf, float* acc,
-                float* kv, float* sc, float* m, float* l) {
-  const int64_t D = KD > 0 ? KD : dyn_d;  // head sizes of real models are compile-time constants: unrolled
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + G, 0.0f);
-  for (int64_t start = 0; start < n; start += P) {
-    const int64_t len = std::min(P, n - start);
-    const T* base = pool + row[start / P] * page_stride;
-    for (int64_t t = 0; t < len; ++t) {  // scores of the page: sc[g * P + t]
-      const T* kp = base + t * token_stride;
-#if defined(__AVX512F__)
-      if (D % 16 == 0) {
-        for (int64_t g = 0; g < G; ++g) sc[g * P + t] = dot16(qf + g * D, kp, D);
-        continue;
-      }
-#endif
-      for (int64_t d = 0; d < D; ++d) kv[d] = static_cast<float>(kp[d]);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kv[d];
-        sc[g * P + t] = dot;
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {  // one rescale per page, exponentials of the whole page
-      float* sg = sc + g * P;
-      float mp = m[g];
-      for (int64_t t = 0; t < len; ++t) mp = std::max(mp, sg[t]);
-      const float c = std::exp(m[g] - mp);
-      m[g] = mp;
-      float sum = 0.0f;
-      for (int64_t t = 0; t < len; ++t) {
-        sg[t] = std::exp(sg[t] - mp);
-        sum += sg[t];
-      }
-      l[g] = l[g] * c + sum;
-      float* ag = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) ag[d] *= c;
-    }
-    for (int64_t t = 0; t < len; ++t) {  // the page's values
-      const T* vp = base + t * token_stride + kv_stride;
-#if defined(__AVX512F__)
-      if (D % 16 == 0) {
-        for (int64_t g = 0; g < G; ++g) axpy16(acc + g * D, sc[g * P + t], vp, D);
-        continue;
-      }
-#endif
-      for (int64_t d = 0; d < D; ++d) kv[d] = static_cast<float>(vp[d]);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = sc[g * P + t];
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * kv[d];
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
-  }
-}
+using disagg_attn::decode_job;
 
 template <typename T>
 void decode_kernel(const T* q, const T* pool, const int64_t* table, const int64_t* lens, T* out, int64_t B,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t M, int64_t P, int64_t page_stride,
                    int64_t head_stride, int64_t kv_stride, int64_t token_stride, float scale) {
   const int64_t G = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kv(D), sc(G * P), m(G), l(G);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
-      const int64_t offset = (b * Hq + h * G) * D;
-      auto job_fn = D == 64 ? decode_job<T, 64> : D == 128 ? decode_job<T, 128> : decode_job<T, 0>;
-      job_fn(q + offset, pool + h * head_stride, table + b * M, std::min(lens[b], M * P), out + offset, G, D, P,
-             page_stride, kv_stride, token_stride, scale, qf.data(), acc.data(), kv.data(), sc.data(), m.data(),
-             l.data());
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), scratch(disagg_attn::scratch_floats(D, Hq));
+    for (int64_t b = begin; b < end; ++b) {
+      auto job_fn = D == 64 ? decode_job<T, T, T, 64> : D == 128 ? decode_job<T, T, T, 128> : decode_job<T, T, T, 0>;
+      job_fn(q + b * Hq * D, pool, Hkv, head_stride, table + b * M, std::min(lens[b], M * P), out + b * Hq * D, G, D,
+             P, page_stride, kv_stride, token_stride, scale, qf.data(), acc.data(), m.data(), l.data(),
+             scratch.data());
     }
   });
 }
@@ -220,10 +120,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 void register_gemm(pybind11::module& m);        // gemm_bf16.cpp
 void register_gemm_quant(pybind11::module& m);  // gemm_quant.cpp
+void register_decode_step(pybind11::module& m);  // decode_step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm(m);
   register_gemm_quant(m);
+  register_decode_step(m);
   m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)");
 }

@@ -1,0 +1,389 @@
+// Paged decode attention: the G query heads of one KV head (one query token each) over a range of a
+// sequence's tokens, K / V read in place from the pages, online softmax in fp32. Shared by
+// paged_attention.cpp (the Python-facing kernel) and decode_step.cpp (the fused decode step).
+//
+// attend_range() covers tokens [t0, t1) of every KV head and leaves the unnormalised state (acc, running
+// max m, sum l), so a long sequence can be split over threads and the parts combined by merge();
+// decode_job() is the whole sequence at once. Tokens go in chunks of up to 16 (across page boundaries). With AVX-512 and a
+// head size that is a multiple of 16, a chunk's 16 scores of a query head come out of 16 dot-product
+// accumulators reduced together by one transpose-and-add tree (no reduction per token), the softmax's
+// exponentials are vectorised, and the value accumulators stay in registers; elsewhere plain loops.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace disagg_attn {
+
+constexpr int64_t CHUNK = 16;
+
+#if defined(__AVX512F__)
+constexpr bool AVX512 = true;
+#else
+constexpr bool AVX512 = false;
+#endif
+
+// Floats of scratch attend_range() needs for head size D and Q = H * G query heads.
+inline int64_t scratch_floats(int64_t D, int64_t Q) { return 3 * CHUNK * D + 2 * CHUNK + 3 * Q * D + 17 * Q; }
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // the 16 bits become the high half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x), ~1 ulp: 2^n * p(r) with n = round(x / ln 2), |r| <= ln 2 / 2, p of degree 6.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane t of the result = the sum of the 16 lanes of a[t].
+inline __m512 hsum16(const __m512 a[16]) {
+  __m512 x[8], y[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// One chunk of len <= 16 tokens (K / V rows as fp32 pointers; rows past len point at zeros) for the G
+// query heads. Written so that every dependency chain is short: 16 independent dot products (one
+// accumulator register per token), and two sets of value accumulators (even and odd tokens).
+template <int64_t DV>
+inline void chunk_avx512(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
+                         int64_t dyn_dv, float* acc, float* m, float* l) {
+  const int64_t nv = DV > 0 ? DV : dyn_dv;
+  const __mmask16 valid = static_cast<__mmask16>((1u << len) - 1u);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * nv * 16;
+    __m512 a[16];
+    {
+      const __m512 q0 = _mm512_loadu_ps(qg);
+      for (int t = 0; t < 16; ++t) a[t] = _mm512_mul_ps(q0, _mm512_loadu_ps(krow[t]));
+    }
+    for (int64_t v = 1; v < nv; ++v) {
+      const __m512 qv = _mm512_loadu_ps(qg + v * 16);
+      for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[t] + v * 16), a[t]);
+    }
+    const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), hsum16(a));
+    const float mp = std::max(m[g], _mm512_reduce_max_ps(s));
+    const float c = std::exp(m[g] - mp);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mp))));
+    l[g] = l[g] * c + _mm512_reduce_add_ps(p);
+    m[g] = mp;
+    alignas(64) float pt[16];
+    _mm512_store_ps(pt, p);
+    float* ag = acc + g * nv * 16;
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int64_t v = 0; v < nv; ++v) {
+      __m512 even = _mm512_mul_ps(_mm512_loadu_ps(ag + v * 16), cv), odd = _mm512_setzero_ps();
+      for (int t = 0; t < 16; t += 2) {
+        even = _mm512_fmadd_ps(_mm512_set1_ps(pt[t]), _mm512_loadu_ps(vrow[t] + v * 16), even);
+        odd = _mm512_fmadd_ps(_mm512_set1_ps(pt[t + 1]), _mm512_loadu_ps(vrow[t + 1] + v * 16), odd);
+      }
+      _mm512_storeu_ps(ag + v * 16, _mm512_add_ps(even, odd));
+    }
+  }
+}
+
+// bf16 pages without converting them: a 64-byte load holds 32 values as 16 pairs; as fp32 the pair's
+// second value is the word with its low half cleared and the first is the word shifted left by 16. So the
+// head's D values are handled as D / 32 blocks of (16 even-indexed, 16 odd-indexed) values: the query and
+// the value accumulators are kept in that split order (split() / unsplit()), the dot products and the
+// weighted sums do not care about the order.
+inline void split(const float* x, float* out, int64_t D) {
+  for (int64_t v = 0; v < D / 32; ++v)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[v * 32 + i] = x[v * 32 + 2 * i];
+      out[v * 32 + 16 + i] = x[v * 32 + 2 * i + 1];
+    }
+}
+
+inline void unsplit(const float* x, float* out, int64_t D) {
+  for (int64_t v = 0; v < D / 32; ++v)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[v * 32 + 2 * i] = x[v * 32 + i];
+      out[v * 32 + 2 * i + 1] = x[v * 32 + 16 + i];
+    }
+}
+
+// qhl (AVX-512 BF16): each query head as bf16 hi and lo parts (q ~= hi + lo to 16 bits), natural order:
+// its scores are vdpbf16ps of the K words with hi and with lo, no conversion of K at all. pts / cs: G * 16
+// and G floats of scratch (the chunk's probabilities and each head's rescale).
+template <int64_t DW>
+inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16_t* const* krow,
+                              const uint16_t* const* vrow, int64_t len, int64_t G, int64_t dyn_dw, float* acc,
+                              float* m, float* l, float* pts, float* cs) {
+  const int64_t nw = DW > 0 ? DW : dyn_dw;
+  const __mmask16 valid = static_cast<__mmask16>((1u << len) - 1u);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  auto even = [](__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); };
+  auto odd = [&](__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, high)); };
+  for (int64_t g = 0; g < G; ++g) {  // scores, and the online softmax's update
+    __m512 a[16];
+    for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    const uint16_t* qg = qhl + g * nw * 64;
+    for (int64_t w = 0; w < nw; ++w) {
+      const __m512bh qh = (__m512bh)_mm512_loadu_si512(qg + w * 32);
+      const __m512bh ql = (__m512bh)_mm512_loadu_si512(qg + nw * 32 + w * 32);
+      for (int t = 0; t < 16; ++t) {
+        const __m512bh kw = (__m512bh)_mm512_loadu_si512(krow[t] + w * 32);
+        a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], kw, qh), kw, ql);
+      }
+    }
+#else
+    (void)qhl;
+    const float* qg = qs + g * nw * 32;
+    for (int64_t w = 0; w < nw; ++w) {
+      const __m512 qe = _mm512_loadu_ps(qg + w * 32), qo = _mm512_loadu_ps(qg + w * 32 + 16);
+      for (int t = 0; t < 16; ++t) {
+        const __m512i kw = _mm512_loadu_si512(krow[t] + w * 32);
+        a[t] = _mm512_fmadd_ps(qo, odd(kw), _mm512_fmadd_ps(qe, even(kw), a[t]));
+      }
+    }
+#endif
+    const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), hsum16(a));
+    const float mp = std::max(m[g], _mm512_reduce_max_ps(s));
+    cs[g] = std::exp(m[g] - mp);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mp))));
+    l[g] = l[g] * cs[g] + _mm512_reduce_add_ps(p);
+    m[g] = mp;
+    _mm512_storeu_ps(pts + g * 16, p);
+  }
+  // the weighted values: each V row split once, shared by a block of GB query heads whose accumulators
+  // stay in registers
+  constexpr int64_t GB = DW == 0 ? 1 : (DW >= 4 ? 2 : 4);
+  constexpr int64_t NW = DW == 0 ? 1 : DW;
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min<int64_t>(GB, G - g0);
+    for (int64_t w0 = 0; w0 < nw; w0 += NW) {  // DW == 0 (a head size without its own build): one word block at a time
+      __m512 ae[GB][NW], ao[GB][NW];
+      for (int64_t gi = 0; gi < GB; ++gi)
+        for (int64_t w = 0; w < NW; ++w)
+          if (gi < gn) {
+            const float* ag = acc + (g0 + gi) * nw * 32 + (w0 + w) * 32;
+            const __m512 cv = _mm512_set1_ps(cs[g0 + gi]);
+            ae[gi][w] = _mm512_mul_ps(_mm512_loadu_ps(ag), cv);
+            ao[gi][w] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16), cv);
+          }
+      for (int64_t t = 0; t < len; ++t) {
+        __m512 ve[NW], vo[NW];
+        for (int64_t w = 0; w < NW; ++w) {
+          const __m512i vw = _mm512_loadu_si512(vrow[t] + (w0 + w) * 32);
+          ve[w] = even(vw);
+          vo[w] = odd(vw);
+        }
+        for (int64_t gi = 0; gi < GB; ++gi)
+          if (gi < gn) {
+            const __m512 pv = _mm512_set1_ps(pts[(g0 + gi) * 16 + t]);
+            for (int64_t w = 0; w < NW; ++w) {
+              ae[gi][w] = _mm512_fmadd_ps(pv, ve[w], ae[gi][w]);
+              ao[gi][w] = _mm512_fmadd_ps(pv, vo[w], ao[gi][w]);
+            }
+          }
+      }
+      for (int64_t gi = 0; gi < GB; ++gi)
+        for (int64_t w = 0; w < NW; ++w)
+          if (gi < gn) {
+            float* ag = acc + (g0 + gi) * nw * 32 + (w0 + w) * 32;
+            _mm512_storeu_ps(ag, ae[gi][w]);
+            _mm512_storeu_ps(ag + 16, ao[gi][w]);
+          }
+    }
+  }
+}
+#endif
+
+// The same chunk with plain loops (any head size, any CPU).
+inline void chunk_plain(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
+                        int64_t D, float* acc, float* m, float* l, float* sc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    float mp = m[g];
+    for (int64_t t = 0; t < len; ++t) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * krow[t][d];
+      sc[t] = dot;
+      mp = std::max(mp, dot);
+    }
+    const float c = std::exp(m[g] - mp);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      sc[t] = std::exp(sc[t] - mp);
+      sum += sc[t];
+    }
+    l[g] = l[g] * c + sum;
+    m[g] = mp;
+    float* ag = acc + g * D;
+    for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t d = 0; d < D; ++d) ag[d] += sc[t] * vrow[t][d];
+  }
+}
+
+// Tokens [t0, t1) of a sequence whose pages are `row` (page i holds tokens [i * P, (i + 1) * P)), for all
+// H KV heads at once: a chunk of tokens is read head after head, which walks each page in address order
+// (reading one head's slice of every page instead runs at a third of the bandwidth here). `pool` points at
+// KV head 0's K of page 0 token 0; head h at + h * head_stride, V at + kv_stride. qf: the H * G query
+// heads (G per KV head), fp32, already scaled. Updates acc [H * G * D] (unnormalised), m and l [H * G]
+// (start them at 0, -inf, 0).
+template <typename T, int64_t KD>
+void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t t0,
+                  int64_t t1, int64_t G, int64_t dyn_d, int64_t P, int64_t page_stride, int64_t kv_stride,
+                  int64_t token_stride, float* acc, float* m, float* l, float* scratch) {
+  const int64_t D = KD > 0 ? KD : dyn_d;
+  float* kbuf = scratch;
+  float* vbuf = scratch + CHUNK * D;
+  float* zeros = scratch + 2 * CHUNK * D;  // D floats: the rows past a short chunk's end
+  float* sc = scratch + 3 * CHUNK * D;
+  std::fill(zeros, zeros + D, 0.0f);
+  const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
+  // the bf16 path's split query heads and accumulators (see chunk_bf16_avx512), converted back at the end
+  const bool split_path = std::is_same_v<T, at::BFloat16> && D % 32 == 0 && AVX512;
+  float* qsplit = scratch + 3 * CHUNK * D + 2 * CHUNK;
+  float* asplit = qsplit + H * G * D;
+  uint16_t* qhl = reinterpret_cast<uint16_t*>(asplit + H * G * D);  // H * G * 2 * D bf16
+  float* pts = asplit + 2 * H * G * D;                               // G * 16
+  float* rescale = pts + G * 16;                                     // G
+  if (split_path)
+    for (int64_t i = 0; i < H * G; ++i) {
+      split(qf + i * D, qsplit + i * D, D);
+      split(acc + i * D, asplit + i * D, D);
+      for (int64_t d = 0; d < D; ++d) {
+        const at::BFloat16 hi(qf[i * D + d]);
+        const at::BFloat16 lo(qf[i * D + d] - static_cast<float>(hi));
+        qhl[i * 2 * D + d] = hi.x;
+        qhl[i * 2 * D + D + d] = lo.x;
+      }
+    }
+  const T* base[CHUNK];  // each token's K of head 0
+  const float* krow[CHUNK];
+  const float* vrow[CHUNK];
+  for (int64_t cs = t0; cs < t1; cs += CHUNK) {
+    const int64_t len = std::min(CHUNK, t1 - cs);
+    for (int64_t t = 0; t < len; ++t) base[t] = pool + row[(cs + t) / P] * page_stride + ((cs + t) % P) * token_stride;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (D % 32 == 0) {
+        for (int64_t h = 0; h < H; ++h) {
+          const uint16_t* kb[CHUNK];
+          const uint16_t* vb[CHUNK];
+          for (int64_t t = 0; t < CHUNK; ++t) {
+            const T* k = t < len ? base[t] + h * head_stride : nullptr;
+            kb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k) : zero16;
+            vb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k + kv_stride) : zero16;
+          }
+          chunk_bf16_avx512<KD / 32>(qsplit + h * G * D, qhl + h * G * 2 * D, kb, vb, len, G, D / 32,
+                                     asplit + h * G * D, m + h * G, l + h * G, pts, rescale);
+        }
+        continue;
+      }
+    }
+#endif
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < len; ++t) {
+        const T* k = base[t] + h * head_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          krow[t] = k;
+          vrow[t] = k + kv_stride;
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            kbuf[t * D + d] = to_float(k[d]);
+            vbuf[t * D + d] = to_float(k[kv_stride + d]);
+          }
+          krow[t] = kbuf + t * D;
+          vrow[t] = vbuf + t * D;
+        }
+      }
+      for (int64_t t = len; t < CHUNK; ++t) krow[t] = vrow[t] = zeros;
+      const float* qh = qf + h * G * D;
+      float *ah = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
+#if defined(__AVX512F__)
+      if (D % 16 == 0) {
+        chunk_avx512<KD / 16>(qh, krow, vrow, len, G, D / 16, ah, mh, lh);
+        continue;
+      }
+#endif
+      chunk_plain(qh, krow, vrow, len, G, D, ah, mh, lh, sc);
+    }
+  }
+  if (split_path)
+    for (int64_t i = 0; i < H * G; ++i) unsplit(asplit + i * D, acc + i * D, D);
+}
+
+// out [G * D] = the normalised combination of S partial states (acc [G * D], m [G], l [G] each, at
+// stride `part` floats: acc first, then m, then l).
+template <typename OT>
+void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, OT* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; ++s) mx = std::max(mx, parts[s * part + G * D + g]);
+    float denom = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* p = parts + s * part;
+      denom += p[G * D + G + g] * std::exp(p[G * D + g] - mx);
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = 0.0f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float* p = parts + s * part;
+        v += p[g * D + d] * std::exp(p[G * D + g] - mx);
+      }
+      out[g * D + d] = static_cast<OT>(v * inv);
+    }
+  }
+}
+
+// The whole sequence (its first n tokens), every head: q [H * G * D] in QT, out [H * G * D] in OT. Scratch:
+// qf and acc H * G * D floats each, m and l H * G each, and scratch_floats(D) more.
+template <typename QT, typename T, typename OT, int64_t KD>
+void decode_job(const QT* q, const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t n, OT* out,
+                int64_t G, int64_t dyn_d, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride,
+                float scale, float* qf, float* acc, float* m, float* l, float* scratch) {
+  const int64_t D = KD > 0 ? KD : dyn_d, Q = H * G;
+  for (int64_t i = 0; i < Q * D; ++i) qf[i] = to_float(q[i]) * scale;
+  std::fill(acc, acc + Q * D, 0.0f);
+  std::fill(m, m + Q, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + Q, 0.0f);
+  attend_range<T, KD>(qf, pool, H, head_stride, row, 0, n, G, D, P, page_stride, kv_stride, token_stride, acc, m, l,
+                      scratch);
+  for (int64_t g = 0; g < Q; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<OT>(acc[g * D + d] * inv);
+  }
+}
+
+}  // namespace disagg_attn
