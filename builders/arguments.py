@@ -10,6 +10,7 @@ from pathlib import Path
 from builders import BuildOptions, build_engine
 from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir
 from torch_engine.config import DType, KVLayout, Role, WeightStorage
+from torch_engine.quant import QuantKind
 
 
 def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFLOAT16) -> None:
@@ -23,18 +24,21 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
     p.add_argument("--mtp-head", type=Path, default=None, help="attach this trained MTP head (disagg train-mtp)")
     p.add_argument(
         "--weights",
-        choices=list(WEIGHTS),
+        choices=[*WEIGHTS, *QUANTIZE],
         default="as-stored",
         help="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized and the engine computes with them; "
-        "bf16 / fp32: every weight dequantised to that dtype (sets --dtype)",
+        "bf16 / fp32: every weight dequantised to that dtype (sets --dtype); q8_0 / q4_0 / q4_1: as-stored, and "
+        "the dense GEMM weights left (a Hugging Face checkpoint's, a GGUF's K-quants) quantized to that format "
+        "at build time (embedding and lm_head Q8_0; the error is logged)",
     )
 
 
 WEIGHTS = {"as-stored": None, "bf16": DType.BFLOAT16, "fp32": DType.FLOAT32}  # --weights -> dense dtype
+QUANTIZE = {"q8_0": QuantKind.Q8_0, "q4_0": QuantKind.Q4_0, "q4_1": QuantKind.Q4_1}  # --weights -> build-time format
 
 
 def build_options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOptions:
-    dense = WEIGHTS[a.weights]
+    dense = WEIGHTS.get(a.weights)
     return BuildOptions(
         role=role,
         tp_size=a.tp,
@@ -43,6 +47,7 @@ def build_options(a: argparse.Namespace, role: Role = Role.COLOCATED) -> BuildOp
         page_size=a.page_size,
         kv_layout=KVLayout(a.layout),
         mtp_head=a.mtp_head,
+        quantize=QUANTIZE.get(a.weights),
     )
 
 

@@ -27,9 +27,10 @@ from builders.errors import BuildError
 from builders.gguf_import import load_gguf
 from builders.hf_import import load_hf_folder
 from builders.mtp_head import attach_head
+from builders.quantize import quantize_checkpoint
 from builders.sharding import check_tp, shard
 from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role, WeightStorage
-from torch_engine.quant import PACKED_KEY, Packed, Weight
+from torch_engine.quant import PACKED_KEY, Packed, QuantKind, Weight
 
 BUILDER_VERSION = 1
 
@@ -45,6 +46,7 @@ class BuildOptions:
     kv_layout: KVLayout = KVLayout.HND
     mtp_head: Path | None = None  # a trained MTP head to attach (``builders/train_mtp.py``)
     weights: WeightStorage = WeightStorage.AS_STORED  # a GGUF's quantized tensors kept packed
+    quantize: QuantKind | None = None  # dense GEMM weights quantized to this block format (builders/quantize.py)
 
 
 def load_checkpoint(source: str, weights: WeightStorage = WeightStorage.DENSE) -> Checkpoint:
@@ -65,6 +67,7 @@ def _fingerprint(path: Path, opts: BuildOptions) -> str:
         h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)};".encode())
     fields: list[object] = [BUILDER_VERSION, opts.role.value, opts.tp_size, opts.dtype.value, opts.page_size]
     fields += [opts.kv_layout.value] + ([opts.weights.value] if opts.weights is WeightStorage.AS_STORED else [])
+    fields += [f"quantize:{opts.quantize.name}"] if opts.quantize is not None else []
     opts_text = json.dumps(fields)
     h.update(opts_text.encode())
     if opts.mtp_head is not None:
@@ -82,6 +85,7 @@ def default_engine_dir(cache_root: Path, source: str, opts: BuildOptions) -> Pat
     fp = _fingerprint(path, opts)[:12]
     mtp = "-mtp" if opts.mtp_head is not None else ""
     packed = "-as-stored" if opts.weights is WeightStorage.AS_STORED and path.suffix == ".gguf" else ""
+    packed += f"-{opts.quantize.name.lower()}" if opts.quantize is not None else ""
     return cache_root / f"{name}{mtp}-{opts.role.value}-tp{opts.tp_size}-{opts.dtype.value}{packed}-{fp}"
 
 
@@ -123,7 +127,10 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
     ck = load_checkpoint(source, opts.weights)
     if opts.mtp_head is not None:
         ck = attach_head(ck, Path(opts.mtp_head))
+    if opts.quantize is not None:
+        ck, _ = quantize_checkpoint(ck, opts.quantize)
     check_tp(ck.config, opts.tp_size)
+    packed_any = any(isinstance(w, Packed) for w in ck.tensors.values())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -142,7 +149,7 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
             source=str(path),
             fingerprint=fingerprint,
             has_tokenizer=has_tok,
-            weights=opts.weights if any(isinstance(w, Packed) for w in ck.tensors.values()) else WeightStorage.DENSE,
+            weights=WeightStorage.AS_STORED if packed_any else WeightStorage.DENSE,
         ).save(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -140,6 +140,11 @@ class ClusterConfig(_Frozen):
         description="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized (the CPU engines compute with "
         "them); dense: every weight dequantised to `dtype`",
     )
+    quantize: Literal["q8_0", "q4_0", "q4_1"] | None = Field(
+        default=None,
+        description="Q8_0 / Q4_0 / Q4_1: the dense GEMM weights left (an HF checkpoint's, a GGUF's K-quants) "
+        "quantized to that block format at build time (embedding and lm_head Q8_0)",
+    )
     restart: RestartSpec = RestartSpec()
     run_dtype: DType | Literal["auto"] = Field(
         default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"

@@ -24,6 +24,7 @@ from orchestrator.run_plan import RUN_ID_ENV, Renderer, RunPlan, leader_ports, w
 from orchestrator.supervisor import GroupJob, JobState, LaunchError, Supervisor, run_processes
 from orchestrator.triton import TritonInstall, backend_dir
 from torch_engine.config import EngineManifest, Role
+from torch_engine.quant import QuantKind
 
 __all__ = ["JobState", "Launch", "LaunchError", "engine_dirs", "run_processes"]
 
@@ -49,6 +50,7 @@ def engine_dirs(cfg: ClusterConfig, progress: bool = True) -> dict[Role, Path]:
             kv_layout=cfg.kv_layout,
             mtp_head=cfg.mtp_head,
             weights=cfg.weights,
+            quantize=QuantKind[cfg.quantize.upper()] if cfg.quantize else None,
         )
         dirs[role] = build_engine(cfg.model, default_engine_dir(cfg.engine_cache, cfg.model, opts), opts, progress)
     return dirs
