@@ -1,9 +1,10 @@
 """Weights kept as the GGUF stores them (``torch_engine/quant.py``, ``csrc/gemm_quant.cpp``).
 
-References: gguf's own dequantisation (bit-equal), a float64 GEMM over the dequantised weight (the
-kernel's error no larger than the dense fp32 GEMM's, to within a small factor), the engine's dense
-fp32 reference path (the same greedy tokens on the embedded model), and the dense checkpoint's TP
-shards (each packed shard dequantises to the dense shard).
+References: gguf's own dequantisation (bit-equal, and the grouped copy the kernels read too), a
+float64 GEMM over the dequantised weight (the integer kernel's error bounded by the activations'
+rounding), the engine's dense fp32 reference path (next-token distributions on the embedded model
+within a stated tolerance), and the dense checkpoint's TP shards (each packed shard dequantises to
+the dense shard). Every instruction-set path of the integer kernels: ``test_int8_kernels.py``.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
+from bench.quality import TEXT, perplexity, prompt_logprobs, top1_agreement
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
 from builders.errors import BuildError
 from builders.gguf_import import load_gguf
 from builders.sharding import shard
 from tests.helpers import smollm2_prompts
-from torch_engine.config import DType, EngineConfig, EngineManifest, WeightStorage
+from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig, WeightStorage
 from torch_engine.engine import LLMEngine
 from torch_engine.kernels import cpu_kernels
 from torch_engine.layers import Linear
-from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, narrow
+from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, group, narrow
 from torch_engine.sampling import SamplingParams
 
 KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
@@ -59,8 +61,24 @@ def test_the_shipped_files_tensors_dequantise_bit_equal() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
-def test_gemm_q_matches_the_dequantised_gemm(kind: QuantKind, rows: int) -> None:
+def test_grouped_weights_dequantise_bit_equal(kind: QuantKind) -> None:
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no compiler here: the engine dequantises packed weights at load")
+    p, _ = _packed(kind, 37, 96)  # 37 rows: the last group of 16 is padding
+    g = group(p, kernels)
+    assert g.shape == p.shape
+    assert torch.equal(g.rows(kernels), p.dequantize())
+    ids = torch.tensor([36, 0, 17, 17])
+    assert torch.equal(g.rows(kernels, ids), p.dequantize()[ids])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
+def test_integer_gemm_errs_only_by_the_activations_rounding(kind: QuantKind, rows: int) -> None:
+    """A Linear on a weight kept as stored: up to 16 rows on the integer kernel, whose result differs
+    from the dequantised weight's exact GEMM by at most |W| x half a quantization step of each block
+    of activations; more rows (prefill) on the dense GEMM of the dequantised weight."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no compiler here: the engine dequantises packed weights at load")
@@ -68,14 +86,20 @@ def test_gemm_q_matches_the_dequantised_gemm(kind: QuantKind, rows: int) -> None
     lin = Linear(320, 200, bias=True)
     bias = torch.randn(200)
     lin.bias = torch.nn.Parameter(bias, requires_grad=False)
-    lin.set_quant(p, torch.float32, kernels)
+    lin.set_quant(group(p, kernels), torch.float32, kernels)
     assert lin.weight is None
     x = torch.randn(rows, 320)
-    w = p.dequantize()
-    exact = x.double() @ w.double().T + bias.double()
-    dense_err = float((x @ w.T + bias - exact).abs().max())
-    err = float((lin(x) - exact).abs().max())
-    assert err <= 4 * dense_err + 1e-5, (err, dense_err)
+    w = p.dequantize().double()
+    exact = x.double() @ w.T + bias.double()
+    step = x.abs().reshape(rows, -1, 32).amax(-1).double() / 127  # each block's quantization step
+    bound = (step / 2).repeat_interleave(32, dim=1) @ w.abs().T  # |W| x half a step, per output
+    dense_err = (x @ w.float().T + bias - exact).abs()
+    err = (lin(x).double() - exact).abs()
+    if rows <= Linear.QUANT_ROWS:
+        assert bool((err <= bound * 1.001 + 1e-5).all()), float((err - bound).max())
+        assert float(err.max()) > float(dense_err.max())  # it is the integer path
+    else:
+        assert float(err.max()) <= 4 * float(dense_err.max()) + 1e-5
     y16 = lin(x.bfloat16())  # bf16 activations: computed in fp32, returned in bf16
     assert y16.dtype == torch.bfloat16
     assert torch.allclose(y16.float(), exact.float(), atol=0.05, rtol=0.02)
@@ -132,26 +156,38 @@ def test_as_stored_build_is_smaller_and_says_so(tmp_path: Path) -> None:
     assert (stored / "rank0.safetensors").stat().st_size * 4 < (full / "rank0.safetensors").stat().st_size
 
 
-def test_as_stored_fast_path_greedy_tokens_equal_the_dense_reference(smollm2_dir: Path) -> None:
-    """The engine computing with the packed Q4_1 / Q8_0 weights gives the dense fp32 reference
-    path's greedy tokens (3 prompts x 32), and its logits stay within fp32 rounding noise."""
+def test_as_stored_fast_path_stays_within_the_stated_tolerance(smollm2_dir: Path) -> None:
+    """The engine computing with the packed Q4_1 / Q8_0 weights (integer GEMMs over activations quantized
+    per 32-block, the compiled decode step) against the dense fp32 reference path, which dequantises
+    them at load, on the embedded model: perplexity on a fixed text through the decode path (one token a
+    step) within 1 % (the activations' rounding moves single tokens' log-probabilities, so a 644-token
+    text's perplexity itself moves by ~0.5 % between CPUs; the 0.5 % goal is measured on a longer text,
+    BENCHMARKS.md), and over the reference's greedy continuations of the engine tests' prompts,
+    teacher forced through 16-token prefill chunks (the integer GEMM), the same top token at >= 90 %
+    of positions."""
     if cpu_kernels() is None:
         pytest.skip("no compiler here: the engine dequantises packed weights at load")
     assert EngineManifest.load(smollm2_dir).weights is WeightStorage.AS_STORED
-    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
-    assert "gemm-q" not in ref.kernel_path  # the reference dequantised at load
-    fast = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128, fast_cpu=True))
-    assert "q4_1+q8_0-gemm-q" in fast.kernel_path
-    assert fast.describe().weight_bytes * 4 < ref.describe().weight_bytes
+    assert "int8" not in ref.kernel_path  # the reference dequantised at load
+
+    def fast(chunk: int) -> LLMEngine:
+        sched = SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16))
+        return LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128, fast_cpu=True, scheduler=sched))
+
+    one = fast(1)
+    assert "q4_1+q8_0-int8" in one.kernel_path and "fused-step" in one.kernel_path
+    assert one.describe().weight_bytes * 4 < ref.describe().weight_bytes
     tok = ref.tokenizer
     assert tok is not None
+    text = tok.encode(TEXT.read_text(encoding="utf-8"))
+    ratio = perplexity(one, text) / perplexity(ref, text)
+    assert abs(ratio - 1) < 0.01, ratio
     prompts = smollm2_prompts(tok)
-    assert fast.generate(prompts, greedy) == ref.generate(prompts, greedy)
-    for engine in (ref, fast):
-        engine.add_request(prompts[0], SamplingParams(max_tokens=1), want_last_hidden=True, request_id="l")
-        while engine.has_unfinished():
-            engine.step()
-    a, b = ref.request("l").last_logits, fast.request("l").last_logits
-    assert a is not None and b is not None
-    assert float((a - b).abs().max()) < 2e-3
+    greedy = ref.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    sixteen = fast(16)
+    agree = [
+        top1_agreement(prompt_logprobs(ref, p + g), prompt_logprobs(sixteen, p + g))
+        for p, g in zip(prompts, greedy, strict=True)
+    ]
+    assert min(agree) >= 0.9, agree

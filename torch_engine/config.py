@@ -282,3 +282,7 @@ class EngineConfig(_Frozen):
     # the CPU serving path: GEMM weights packed once for oneDNN (fp32 / bf16) and the fused paged decode
     # attention kernel (torch_engine/csrc, built by make); the ``auto`` dtype implies it. Off: the reference path
     fast_cpu: bool = False
+    # decode-only steps in one compiled call (torch_engine/fused_step.py) on the fast CPU path. None: wherever
+    # the model qualifies (Llama-family GQA, TP 1, GEMM weights kept as stored); True: required (an error
+    # naming why not); False: the eager model
+    fused_decode: bool | None = None

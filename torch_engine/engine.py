@@ -1,13 +1,12 @@
 """The engine: requests in, tokens out, one ``step()`` at a time.
 
-``LLMEngine`` owns the model (this rank's shard), the paged KV cache, the page allocator, the
-scheduler and the per-layer progress counter; all of them are private. Its rooms:
-``loader`` (dtype, weights, the CPU fast path), ``intake`` (validation), ``speculator`` (drafting and verification,
-injected at construction), ``outputs`` (picking tokens, stop checks, finishing requests). It
-never imports Triton, the messenger or the serving runtime: connectors and TP glue drive it
-through the port that ``torch_engine/connector.py`` documents (``ConnectorPort``,
-``FollowerPort``), clients through ``add_request`` / ``step`` / ``generate`` / ``stream``,
-monitors through ``load`` / ``page_stats`` / ``queue_depths`` / ``describe``.
+``LLMEngine`` owns the model (this rank's shard), the paged KV cache, the page allocator, the scheduler
+and the per-layer progress counter; all of them are private. Its rooms: ``loader`` (dtype, weights,
+the CPU fast path), ``intake`` (validation), ``speculator`` (drafting and verification, injected at
+construction), ``outputs`` (picking tokens, stop checks, finishing requests). It never imports Triton,
+the messenger or the serving runtime: connectors and TP glue drive it through the port that
+``torch_engine/connector.py`` documents (``ConnectorPort``, ``FollowerPort``), clients through ``add_request``
+/ ``step`` / ``generate`` / ``stream``, monitors through ``load`` / ``page_stats`` / ``queue_depths`` / ``describe``.
 """
 
 from __future__ import annotations
@@ -104,6 +103,7 @@ class LLMEngine:
         self._runner = ModelRunner(self._model, self._kv, self._progress, self._tp, self._device, self._max_model_len)
         if graphs:
             self._runner.use_decode_graphs(config.num_pages, s.max_num_seqs)
+        self._runner.use_fused_step(config.fused_decode if fast else False)
         self._tokenizer = Tokenizer(config.engine_dir) if load_tokenizer and manifest.has_tokenizer else None
         eos = set(mc.eos_token_ids) | set(self._tokenizer.eos_token_ids if self._tokenizer else ())
         self._outputs = Outputs(self._scheduler, self._tokenizer, eos, self._max_model_len)
@@ -264,7 +264,7 @@ class LLMEngine:
         spec, mc = self._kv.spec, self._manifest.model
         path = kernel_path(
             self._model, self._device, self._dtype, self._prepacked, self._kv.kernels is not None,
-            self._runner.graphs is not None,
+            self._runner.graphs is not None, self._runner.fused is not None,
         )  # fmt: skip
         return EngineDescription(
             source=self._manifest.source,

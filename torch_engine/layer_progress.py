@@ -33,6 +33,12 @@ class LayerProgress:
             self._dev[layer] += 1
             self._host[layer].copy_(self._dev[layer], non_blocking=True)
 
+    def cpu_counts(self) -> torch.Tensor:
+        """The counts themselves (CPU only), for compiled code that bumps them in place (``fused_step.py``)."""
+        if self._dev is not self._host:
+            raise ValueError("the counts of a CUDA counter live on the device")
+        return self._dev
+
     def completed(self, layer: int) -> int:
         """How many forward passes have finished ``layer`` (safe to call from any thread)."""
         return int(self._view[layer])

@@ -15,6 +15,8 @@ import torch
 
 from torch_engine.attention import AttentionMetadata, PrefillSegment, context_mask
 from torch_engine.decode_graphs import DecodeGraphs
+from torch_engine.fused_step import FusedStep, why_not_fused
+from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import RotaryTable
@@ -53,6 +55,7 @@ class ModelRunner:
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.tick_hook: TickHook | None = None
         self.graphs: DecodeGraphs | None = None  # decode-only steps through static buffers / CUDA graphs
+        self.fused: FusedStep | None = None  # decode-only steps in one compiled call (CPU)
         self._hidden = torch.empty(0)  # the last step's final hidden states, every row (MTP models)
         self._uncounted = LayerProgress(progress.num_layers, device)  # passes outside the layer counter
 
@@ -62,6 +65,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model, self.kv, self.progress, self.rope, self.device, scratch_page, max_batch, capture
         )
+
+    def use_fused_step(self, wanted: bool | None) -> None:
+        """Serve decode-only steps from ``FusedStep``: None where this model can, True required (raises
+        why not), False never."""
+        if wanted is False:
+            return
+        kernels = cpu_kernels()
+        reason = why_not_fused(self.model, self.kv, self.tp, self.device) if kernels else "no compiled CPU kernels"
+        if reason is None and kernels is not None:
+            self.fused = FusedStep(self.model, self.kv, self.progress, self.rope, kernels)
+        elif wanted:
+            raise ValueError(f"fused_decode is on, but this engine cannot run its decode steps fused: {reason}")
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         spans = []
@@ -130,7 +145,12 @@ class ModelRunner:
         """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
         g, tables, lens = self.graphs, s.decode_tables, s.decode_kv_lens
         rows = s.output_rows.to(self.device)
-        if g is not None and tables is not None and lens is not None and g.eligible(len(s.input_ids), bool(s.prefills)):
+        f = self.fused
+        if s.prefills:
+            f = g = None
+        if f is not None and tables is not None and lens is not None and s.decode_only:
+            hidden = f.run(s.input_ids, s.positions, tables, lens)
+        elif g is not None and tables is not None and lens is not None and g.eligible(len(s.input_ids), False):
             hidden = g.run(s.input_ids, s.positions, tables, lens)
         else:
             h = self.model(s.input_ids.to(self.device), self._metadata(s), self.kv, self.progress)

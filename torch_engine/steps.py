@@ -24,6 +24,12 @@ class StepInputs:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (row start, row end, first position, page table [1, M])
     output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
 
+    @property
+    def decode_only(self) -> bool:
+        """Every row is one decode token (rows in order: ``decode_rows`` is 0..B-1)."""
+        rows = self.decode_rows
+        return not self.prefills and rows is not None and len(rows) == len(self.input_ids)
+
 
 @dataclass(slots=True)
 class Span:

@@ -1,0 +1,205 @@
+"""The compiled decode step (``torch_engine/fused_step.py``, ``csrc/decode_step.cpp``) against the eager
+model it replaces.
+
+Both paths run the same integer GEMM kernel, so they differ only where they round (the eager model
+keeps activations in the engine's dtype and adds in another order) — and through the activations'
+int8 quantization, which turns a last-bit difference into a whole quantization step now and then. So
+a one-layer model must agree closely, step after step; deeper models within a stated tolerance on
+the next-token distribution (KL) and its top token. Everything else must be exact: the progress
+counter, K / V in the right page slots (compared on a one-layer model), results independent of the
+thread count, and the engine's choice of path (which models, which steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from builders import BuildOptions, build_engine
+from tests.helpers import make_tiny_checkpoint
+from torch_engine.config import DType, EngineConfig, EngineManifest, KVLayout
+from torch_engine.engine import LLMEngine
+from torch_engine.kernels import cpu_kernels
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.loader import load_weights, prepare_cpu_path
+from torch_engine.model_runner import ModelRunner
+from torch_engine.models import cache_spec
+from torch_engine.parallel import TPGroup
+from torch_engine.quant import QuantKind
+from torch_engine.sampling import SamplingParams
+from torch_engine.steps import Span
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> object:
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no compiler here: no compiled decode step")
+    return k
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, QuantKind], Path]:
+    """Tiny random checkpoints quantized at build time: Llama (head size 8), Qwen2 (q/k/v biases),
+    Qwen3 (q/k norms); one layer and the full two."""
+    root = tmp_path_factory.mktemp("fused")
+    out: dict[tuple[str, QuantKind], Path] = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        folder, _ = make_tiny_checkpoint(kind, root / kind)
+        for q in (QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0):
+            opts = BuildOptions(dtype=DType.FLOAT32, page_size=4, quantize=q)
+            out[(kind, q)] = build_engine(str(folder), root / f"{kind}-{q.name}", opts, progress=False)
+    return out
+
+
+@dataclass
+class Pair:
+    eager: ModelRunner
+    fused: ModelRunner
+    pages: int
+
+
+def _runner(engine_dir: Path, fused: bool, layout: KVLayout, page_size: int, layers: int | None = None) -> ModelRunner:
+    manifest = EngineManifest.load(engine_dir)
+    cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=True, dtype=DType.FLOAT32)
+    model = load_weights(manifest, cfg, TPGroup.single(), CPU, torch.float32, keep_packed=True)
+    prepare_cpu_path(model, CPU, torch.float32)
+    if layers is not None:
+        model.layers = model.layers[:layers]
+    spec = cache_spec(manifest.model, 1, 256, page_size, layout, torch.float32)
+    kv = PagedKVCache(spec)
+    kv.kernels = cpu_kernels()
+    runner = ModelRunner(model, kv, LayerProgress(manifest.model.num_kv_layers), TPGroup.single(), CPU, 256)
+    if fused:
+        runner.use_fused_step(True)
+    return runner
+
+
+def _pair(engine_dir: Path, layout: KVLayout = KVLayout.HND, page_size: int = 4, layers: int | None = None) -> Pair:
+    return Pair(
+        _runner(engine_dir, False, layout, page_size, layers), _runner(engine_dir, True, layout, page_size, layers), 256
+    )
+
+
+def _teacher_forced(
+    p: Pair, lengths: list[int], steps: int, vocab: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill sequences of ``lengths`` (random tokens) on both runners, then ``steps`` decode steps fed
+    the same tokens; the two runners' logits of every decode step."""
+    g = torch.Generator().manual_seed(seed)
+    per = p.pages // len(lengths)
+    pages = [list(range(i * per, (i + 1) * per)) for i in range(len(lengths))]
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    for r in (p.eager, p.fused):
+        r.execute(r.layout([Span(s, 0, pg, 1) for s, pg in zip(seqs, pages, strict=True)]))
+    out = []
+    for _ in range(steps):
+        nxt = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
+        spans = [Span([t], len(s), pg, 1) for s, t, pg in zip(seqs, nxt, pages, strict=True)]
+        logits = [r.logits(r.execute(r.layout(spans))) for r in (p.eager, p.fused)]
+        out.append((logits[0], logits[1]))
+        for s, t in zip(seqs, nxt, strict=True):
+            s.append(t)
+    return out
+
+
+def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    pa, pb = a.double().log_softmax(-1), b.double().log_softmax(-1)
+    return (pa.exp() * (pa - pb)).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("quant", [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0])
+def test_one_layer_matches_the_eager_layer(kernels: object, quantized: dict, kind: str, quant: QuantKind) -> None:
+    """One layer, 5 sequences (prompts across page boundaries), 10 teacher-forced steps: the logits agree
+    to a small fraction of their spread, and so do the K / V the fused step wrote."""
+    p = _pair(quantized[(kind, quant)], layers=1)
+    for eager, fused in _teacher_forced(p, [1, 3, 4, 9, 17], 10, 256):
+        spread = float(eager.std())
+        assert float((eager - fused).abs().max()) < 0.02 * spread
+    for a, b in zip(p.eager.kv.pools[:1], p.fused.kv.pools[:1], strict=True):
+        assert float((a - b).abs().max()) < 0.02 * float(a.abs().max())
+    assert p.fused.fused is not None and p.fused.fused.steps == 10
+
+
+@pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_whole_model_next_token_distributions_agree(
+    kernels: object, quantized: dict, layout: KVLayout, page_size: int
+) -> None:
+    p = _pair(quantized[("qwen2", QuantKind.Q4_1)], layout, page_size)
+    kls, agree, n = [], 0, 0
+    for eager, fused in _teacher_forced(p, [2, 5, 16, 31, 7, 1, 12, 3], 12, 256):
+        kls.append(_kl(eager, fused))
+        agree += int((eager.argmax(-1) == fused.argmax(-1)).sum())
+        n += eager.shape[0]
+    kl = torch.cat(kls)
+    assert float(kl.mean()) < 1e-3 and float(kl.max()) < 1e-2, (float(kl.mean()), float(kl.max()))
+    assert agree / n >= 0.9
+
+
+def test_progress_counter_moves_once_per_layer_per_step(kernels: object, quantized: dict) -> None:
+    p = _pair(quantized[("llama", QuantKind.Q8_0)])
+    _teacher_forced(p, [3, 6], 4, 256)
+    assert p.eager.progress.snapshot() == p.fused.progress.snapshot() == [5, 5]  # one prefill + 4 decode steps
+
+
+def test_threads_do_not_change_the_result(kernels: object, quantized: dict) -> None:
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            p = _pair(quantized[("qwen3", QuantKind.Q4_0)])
+            results.append(torch.cat([f for _, f in _teacher_forced(p, [4, 9, 2, 30, 5], 5, 256)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_many_rows_take_every_tile_size(kernels: object, quantized: dict) -> None:
+    """21 rows in a step: every row tile of the GEMM (full tiles and each remainder). Past 16 rows the
+    eager model's GEMMs run on the dequantised weight (no activation rounding) while the fused step
+    stays on the integer kernel, so the tolerance is the activations' rounding, as in the whole-model
+    test."""
+    p = _pair(quantized[("llama", QuantKind.Q4_1)], layers=1)
+    for eager, fused in _teacher_forced(p, [1 + (i * 7) % 13 for i in range(21)], 3, 256):
+        assert float((eager - fused).abs().max()) < 0.08 * float(eager.std())
+        kl = _kl(eager, fused)
+        assert float(kl.max()) < 1e-2 and bool((eager.argmax(-1) == fused.argmax(-1)).float().mean() >= 0.9)
+
+
+def test_the_engine_picks_the_fused_step_where_it_applies(
+    kernels: object, quantized: dict, tiny_engine_dir, smollm2_dir: Path
+) -> None:
+    def engine(path: Path, **kw: object) -> LLMEngine:
+        return LLMEngine(EngineConfig.model_validate({"engine_dir": path, "fast_cpu": True, "num_pages": 64, **kw}))
+
+    assert "fused-step" in engine(quantized[("qwen3", QuantKind.Q8_0)]).kernel_path
+    assert "fused-step" in engine(smollm2_dir).kernel_path  # the embedded GGUF, as stored
+    dense = tiny_engine_dir("llama")  # dense weights: the eager model
+    assert "fused-step" not in engine(dense).kernel_path
+    with pytest.raises(ValueError, match="GEMM weights not kept as stored"):
+        engine(dense, fused_decode=True)
+    assert "fused-step" not in engine(quantized[("qwen3", QuantKind.Q8_0)], fused_decode=False).kernel_path
+    assert "fused-step" not in engine(smollm2_dir, fast_cpu=False).kernel_path  # the reference path
+
+
+def test_engine_tokens_follow_the_eager_engine(kernels: object, quantized: dict) -> None:
+    """Through the engine (continuous batching: prompts join while others decode, so steps switch between
+    the mixed eager path and the fused one): greedy tokens of a Q8_0 model equal the eager engine's."""
+    path = quantized[("llama", QuantKind.Q8_0)]
+    prompts = [[(7 * i + j) % 256 for j in range(3 + 5 * i)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = []
+    for fused in (False, True):
+        e = LLMEngine(EngineConfig(engine_dir=path, fast_cpu=True, dtype=DType.FLOAT32, fused_decode=fused))
+        outs.append(e.generate(prompts, greedy))
+    same = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
+    assert same >= 5, outs

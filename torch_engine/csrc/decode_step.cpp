@@ -1,0 +1,364 @@
+// A whole decode step of a Llama-family model (grouped-query attention, SiLU-gated MLP, pre-norm) in one
+// call, with no Python and no ATen op between the layers' pieces: the CPU engine's decode-only steps
+// (torch_engine/fused_step.py says which steps and models).
+//
+// Per layer, for B rows (one token each): RMSNorm -> quantize -> QKV (integer GEMM, qgemm.h) -> per
+// (row, KV head) job: q / k norms (Qwen3), rotary embedding, the new K / V written into the row's page,
+// paged attention over the sequence (attention.h) -> quantize -> O, added to the residual -> the layer's
+// progress counter bumped -> RMSNorm -> quantize -> gate_up -> SiLU(gate) * up, quantized -> down, added to
+// the residual. Then the final RMSNorm. The residual stream and every activation are fp32; K / V are stored
+// in the pool's dtype (fp32 or bf16).
+//
+// Threads: one OpenMP parallel region for the whole step (at::get_num_threads() threads). GEMMs split their
+// groups of 16 outputs, attention its (row, KV head) jobs, norms and quantization their rows or blocks;
+// a barrier between dependent pieces (8 a layer). Nothing inside the region can throw: every input is
+// checked before it.
+//
+//   FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, page_size, strides [page, head, kv,
+//                token], cos [positions, head_dim / 2], sin, final_norm [hidden], counts [layers] int64)
+//   add_layer(norms [attn, mlp, q_norm or empty, k_norm or empty], linears 4 x [qs16, d16, m16, bias],
+//             kinds [4], outputs [4], pool)                       (qkv, o, gate_up, down)
+//   run(h [B, hidden], positions [B], page_table [B, M], kv_lens [B]) -> [B, hidden] fp32
+
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "qgemm.h"
+
+namespace {
+
+using disagg_q::ActQ8;
+using disagg_q::BLOCK;
+using disagg_q::Q16;
+using disagg_q::share;
+
+constexpr int64_t PART_CHUNKS = 8;  // 128 tokens: a part of a sequence's attention, one job
+
+struct Lin {
+  Q16 w;
+  std::vector<torch::Tensor> keep;  // the tensors w points into
+  const float* bias = nullptr;
+};
+
+struct Layer {
+  torch::Tensor attn_norm, mlp_norm, q_norm, k_norm;  // fp32; q / k norms may be undefined
+  Lin qkv, o, gate_up, down;
+  torch::Tensor pool;
+};
+
+// x [H] -> out [H]: x / rms(x) * w (fp32).
+inline void rms_norm(const float* x, const float* w, float* out, int64_t H, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// HF's rotate_half on one head of D values: pairs i and i + D/2.
+inline void rope(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+               int64_t page_size, std::vector<int64_t> strides, torch::Tensor cos, torch::Tensor sin,
+               torch::Tensor final_norm, torch::Tensor counts)
+      : H_(hidden), HQ_(heads), HKV_(kv_heads), D_(head_dim), I_(intermediate), eps_(static_cast<float>(eps)),
+        P_(page_size) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(head_dim % 2 == 0, "the rotary embedding needs an even head size");
+    TORCH_CHECK(hidden % BLOCK == 0 && intermediate % BLOCK == 0 && (heads * head_dim) % BLOCK == 0,
+                "hidden, intermediate and attention widths must be multiples of 32");
+    TORCH_CHECK(strides.size() == 4, "strides: page, head, kv, token");
+    page_stride_ = strides[0];
+    head_stride_ = strides[1];
+    kv_stride_ = strides[2];
+    token_stride_ = strides[3];
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.dim() == 2 && cos.size(1) == head_dim / 2 &&
+                    cos.sizes() == sin.sizes(),
+                "cos / sin must be fp32 [positions, head_dim / 2]");
+    cos_ = cos.contiguous();
+    sin_ = sin.contiguous();
+    final_norm_ = final_norm.to(torch::kFloat).contiguous();
+    TORCH_CHECK(final_norm_.numel() == hidden, "final norm must be [hidden]");
+    TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.is_contiguous(), "counts must be int64");
+    counts_ = counts;
+  }
+
+  void add_layer(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> linears,
+                 std::vector<int64_t> kinds, std::vector<int64_t> outputs, torch::Tensor pool) {
+    TORCH_CHECK(norms.size() == 4 && linears.size() == 4 && kinds.size() == 4 && outputs.size() == 4,
+                "a layer has 4 norms (attn, mlp, q, k) and 4 linears (qkv, o, gate_up, down)");
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < counts_.numel(), "more layers than progress counters");
+    Layer l;
+    auto norm = [&](const torch::Tensor& t, int64_t n) -> torch::Tensor {
+      if (!t.defined() || t.numel() == 0) return torch::Tensor();
+      TORCH_CHECK(t.numel() == n, "a norm weight of ", t.numel(), " values where ", n, " are needed");
+      return t.to(torch::kFloat).contiguous();
+    };
+    l.attn_norm = norm(norms[0], H_);
+    l.mlp_norm = norm(norms[1], H_);
+    l.q_norm = norm(norms[2], D_);
+    l.k_norm = norm(norms[3], D_);
+    TORCH_CHECK(l.attn_norm.defined() && l.mlp_norm.defined(), "attention and MLP norms are required");
+    TORCH_CHECK(l.q_norm.defined() == l.k_norm.defined(), "q and k norms come together");
+    const int64_t qkv_n = (HQ_ + 2 * HKV_) * D_;
+    const int64_t want_n[4] = {qkv_n, H_, 2 * I_, H_};
+    const int64_t want_k[4] = {H_, HQ_ * D_, H_, I_};
+    Lin* dst[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(linears[i].size() == 4, "a linear is [qs16, d16, m16, bias]");
+      TORCH_CHECK(outputs[i] == want_n[i], "linear ", i, " has ", outputs[i], " outputs, not ", want_n[i]);
+      *dst[i] = make_lin(kinds[i], linears[i], outputs[i]);
+      TORCH_CHECK(dst[i]->w.K == want_k[i], "linear ", i, " takes ", dst[i]->w.K, " inputs, not ", want_k[i]);
+    }
+    TORCH_CHECK(pool.is_contiguous() && (pool.scalar_type() == torch::kFloat || pool.scalar_type() == torch::kBFloat16),
+                "the KV pool must be contiguous fp32 or bf16");
+    TORCH_CHECK(pool.stride(0) == page_stride_, "the pool's page stride differs from the one given");
+    TORCH_CHECK(layers_.empty() || pool.scalar_type() == layers_[0].pool.scalar_type(), "pools of one dtype");
+    l.pool = pool;
+    layers_.push_back(std::move(l));
+  }
+
+  torch::Tensor run(torch::Tensor h, torch::Tensor positions, torch::Tensor table, torch::Tensor kv_lens) {
+    TORCH_CHECK(!layers_.empty(), "no layers added");
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == H_, "h must be [B, ", H_, "]");
+    const int64_t B = h.size(0);
+    TORCH_CHECK(B > 0, "an empty step");
+    positions = positions.to(torch::kLong).contiguous();
+    table = table.to(torch::kLong).contiguous();
+    kv_lens = kv_lens.to(torch::kLong).contiguous();
+    TORCH_CHECK(positions.numel() == B && kv_lens.numel() == B && table.dim() == 2 && table.size(0) == B,
+                "one position, KV length and page-table row per row");
+    const int64_t M = table.size(1), num_pages = layers_[0].pool.size(0);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* tab = table.data_ptr<int64_t>();
+    const int64_t* lens = kv_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_.size(0), "position ", pos[b], " outside the rotary table");
+      TORCH_CHECK(lens[b] == pos[b] + 1 && lens[b] <= M * P_, "row ", b, ": KV length ", lens[b],
+                  " must be its position + 1 and fit its ", M, " pages");
+      for (int64_t i = 0; i < (lens[b] + P_ - 1) / P_; ++i)
+        TORCH_CHECK(tab[b * M + i] >= 0 && tab[b * M + i] < num_pages, "page ", tab[b * M + i], " outside the pool");
+    }
+    x_ = h.to(torch::kFloat).contiguous().clone();
+    if (layers_[0].pool.scalar_type() == torch::kFloat)
+      step<float>(B, pos, tab, M, lens);
+    else
+      step<at::BFloat16>(B, pos, tab, M, lens);
+    return out_;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  static Lin make_lin(int64_t kind, const std::vector<torch::Tensor>& t, int64_t N) {
+    TORCH_CHECK(kind == disagg_q::Q4_0 || kind == disagg_q::Q4_1 || kind == disagg_q::Q8_0, "unknown quant kind ", kind);
+    const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
+    TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
+                "d16 must be [groups, K/32, 16] fp16");
+    Lin l;
+    l.w.kind = static_cast<disagg_q::Kind>(kind);
+    l.w.N = N;
+    l.w.K = d.size(1) * BLOCK;
+    TORCH_CHECK(l.w.groups() == d.size(0), "N ", N, " does not fit ", d.size(0), " groups");
+    TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == l.w.groups() * l.w.group_bytes(),
+                "qs16 does not fit d16");
+    l.w.qs = static_cast<const uint8_t*>(qs.data_ptr());
+    l.w.d = static_cast<const uint16_t*>(d.data_ptr());
+    l.keep = {qs, d};
+    if (kind == disagg_q::Q4_1) {
+      TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.is_contiguous(), "Q4_1 needs m16 shaped as d16");
+      l.w.m = static_cast<const uint16_t*>(m.data_ptr());
+      l.keep.push_back(m);
+    }
+    if (bias.defined() && bias.numel() > 0) {
+      TORCH_CHECK(bias.numel() == N, "bias must be [N]");
+      torch::Tensor b = bias.to(torch::kFloat).contiguous();
+      l.bias = b.data_ptr<float>();
+      l.keep.push_back(b);
+    }
+    return l;
+  }
+
+  template <typename T>
+  void step(int64_t B, const int64_t* pos, const int64_t* tab, int64_t M, const int64_t* lens) {
+    const int64_t H = H_, D = D_, G = HQ_ / HKV_, QKV = (HQ_ + 2 * HKV_) * D, A = HQ_ * D, I = I_;
+    const int64_t widest = std::max({H, A, I});
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+    torch::Tensor xn = torch::empty({B, H}, f32), qkv = torch::empty({B, QKV}, f32), att = torch::empty({B, A}, f32),
+                  gu = torch::empty({B, 2 * I}, f32), mid = torch::empty({B, I}, f32);
+    torch::Tensor aq = torch::empty({B * widest}, torch::TensorOptions().dtype(torch::kChar));
+    torch::Tensor adx = torch::empty({B * widest / BLOCK}, f32);
+    torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
+    out_ = torch::empty({B, H}, f32);
+    float *x = x_.data_ptr<float>(), *xnp = xn.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
+          *attp = att.data_ptr<float>(), *gup = gu.data_ptr<float>(), *midp = mid.data_ptr<float>(),
+          *outp = out_.data_ptr<float>();
+    int8_t* q8 = aq.data_ptr<int8_t>();
+    float* dx = adx.data_ptr<float>();
+    int32_t* sq = as.data_ptr<int32_t>();
+    auto act = [&](int64_t K) {
+      ActQ8 a;
+      a.q = q8;
+      a.dx = dx;
+      a.s = sq;
+      a.K = K;
+      return a;
+    };
+    const float* cosp = cos_.data_ptr<float>();
+    const float* sinp = sin_.data_ptr<float>();
+    int64_t* counts = counts_.data_ptr<int64_t>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const int threads = std::max(1, at::get_num_threads());
+    const auto attend = D == 64 ? disagg_attn::attend_range<T, 64>
+                                : (D == 128 ? disagg_attn::attend_range<T, 128> : disagg_attn::attend_range<T, 0>);
+    // attention jobs: each sequence in parts of PART_CHUNKS chunks (so that one long sequence keeps every
+    // thread busy), whatever the thread count (so that the result does not depend on it)
+    std::vector<int64_t> first_job(B + 1, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t chunks = (lens[b] + disagg_attn::CHUNK - 1) / disagg_attn::CHUNK;
+      first_job[b + 1] = first_job[b] + (chunks + PART_CHUNKS - 1) / PART_CHUNKS;
+    }
+    std::vector<int64_t> job_row(first_job[B]);
+    for (int64_t b = 0; b < B; ++b) std::fill(job_row.begin() + first_job[b], job_row.begin() + first_job[b + 1], b);
+    const int64_t PART = A + 2 * HQ_;
+    torch::Tensor parts = torch::empty({first_job[B] * PART}, f32);
+    float* partp = parts.data_ptr<float>();
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::vector<float> scratch(disagg_attn::scratch_floats(D, HQ_));
+      const auto [r0, r1] = share(B, t, nt);
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const Layer& L = layers_[li];
+        // RMSNorm, quantized for QKV
+        for (int64_t r = r0; r < r1; ++r) {
+          rms_norm(x + r * H, L.attn_norm.data_ptr<float>(), xnp + r * H, H, eps_);
+          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq);
+        }
+#pragma omp barrier
+        {
+          const auto [g0, g1] = share(L.qkv.w.groups(), t, nt);
+          disagg_q::gemm_groups(L.qkv.w, act(H), B, g0, g1, qkvp, QKV, L.qkv.bias);
+        }
+#pragma omp barrier
+        // norms, rotary and the KV write: one (row, KV head) at a time
+        {
+          const auto [j0, j1] = share(B * HKV_, t, nt);
+          T* pool = L.pool.data_ptr<T>();
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t b = j / HKV_, hk = j % HKV_, p = pos[b];
+            float* qh = qkvp + b * QKV + hk * G * D;
+            float* kh = qkvp + b * QKV + A + hk * D;
+            const float* vh = qkvp + b * QKV + A + HKV_ * D + hk * D;
+            if (L.q_norm.defined()) {
+              for (int64_t g = 0; g < G; ++g) rms_norm(qh + g * D, L.q_norm.data_ptr<float>(), qh + g * D, D, eps_);
+              rms_norm(kh, L.k_norm.data_ptr<float>(), kh, D, eps_);
+            }
+            const float* c = cosp + p * (D / 2);
+            const float* s = sinp + p * (D / 2);
+            for (int64_t g = 0; g < G; ++g) {
+              rope(qh + g * D, c, s, D);
+              for (int64_t d = 0; d < D; ++d) qh[g * D + d] *= scale;
+            }
+            rope(kh, c, s, D);
+            T* slot = pool + tab[b * M + p / P_] * page_stride_ + hk * head_stride_ + (p % P_) * token_stride_;
+            for (int64_t d = 0; d < D; ++d) {
+              slot[d] = static_cast<T>(kh[d]);
+              slot[kv_stride_ + d] = static_cast<T>(vh[d]);
+            }
+          }
+        }
+#pragma omp barrier
+        // attention: (row, part of the sequence) jobs, every KV head in each (its pages read in address order)
+        {
+          const auto [j0, j1] = share(first_job[B], t, nt);
+          const T* pool = L.pool.data_ptr<T>();
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t b = job_row[j], c0 = (j - first_job[b]) * PART_CHUNKS, c1 = c0 + PART_CHUNKS;
+            float* part = partp + j * PART;
+            std::fill(part, part + A, 0.0f);
+            std::fill(part + A, part + A + HQ_, -std::numeric_limits<float>::infinity());
+            std::fill(part + A + HQ_, part + PART, 0.0f);
+            attend(qkvp + b * QKV, pool, HKV_, head_stride_, tab + b * M, c0 * disagg_attn::CHUNK,
+                   std::min(c1 * disagg_attn::CHUNK, lens[b]), G, D, P_, page_stride_, kv_stride_, token_stride_, part,
+                   part + A, part + A + HQ_, scratch.data());
+          }
+        }
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; ++r) {  // the parts combined, each row quantized for O
+          disagg_attn::merge(partp + first_job[r] * PART, first_job[r + 1] - first_job[r], PART, HQ_, D, attp + r * A);
+          disagg_q::quantize_rows(attp, r, r + 1, A, q8, dx, sq);
+        }
+#pragma omp barrier
+        {
+          const auto [g0, g1] = share(L.o.w.groups(), t, nt);
+          disagg_q::gemm_groups(L.o.w, act(A), B, g0, g1, x, H, L.o.bias, true);
+        }
+#pragma omp barrier
+        if (t == 0) __atomic_store_n(&counts[li], counts[li] + 1, __ATOMIC_RELEASE);  // this layer's KV is written
+        for (int64_t r = r0; r < r1; ++r) {
+          rms_norm(x + r * H, L.mlp_norm.data_ptr<float>(), xnp + r * H, H, eps_);
+          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq);
+        }
+#pragma omp barrier
+        {
+          const auto [g0, g1] = share(L.gate_up.w.groups(), t, nt);
+          disagg_q::gemm_groups(L.gate_up.w, act(H), B, g0, g1, gup, 2 * I, L.gate_up.bias);
+        }
+#pragma omp barrier
+        {  // SiLU(gate) * up, quantized a block at a time
+          const int64_t NBI = I / BLOCK;
+          const auto [k0, k1] = share(B * NBI, t, nt);
+          for (int64_t k = k0; k < k1; ++k) {
+            const int64_t r = k / NBI, blk = k % NBI;
+            const float* gate = gup + r * 2 * I + blk * BLOCK;
+            const float* up = gate + I;
+            float* m = midp + r * I + blk * BLOCK;
+            for (int64_t i = 0; i < BLOCK; ++i) m[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+            disagg_q::quantize_block(m, q8 + r * I + blk * BLOCK, dx + r * NBI + blk, sq + r * NBI + blk);
+          }
+        }
+#pragma omp barrier
+        {
+          const auto [g0, g1] = share(L.down.w.groups(), t, nt);
+          disagg_q::gemm_groups(L.down.w, act(I), B, g0, g1, x, H, L.down.bias, true);
+        }
+#pragma omp barrier
+      }
+      for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * H, final_norm_.data_ptr<float>(), outp + r * H, H, eps_);
+    }
+  }
+
+  int64_t H_, HQ_, HKV_, D_, I_;
+  float eps_;
+  int64_t P_, page_stride_ = 0, head_stride_ = 0, kv_stride_ = 0, token_stride_ = 0;
+  torch::Tensor cos_, sin_, final_norm_, counts_, x_, out_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_step(pybind11::module& m) {
+  pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, std::vector<int64_t>,
+                          torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def("add_layer", &FusedDecoder::add_layer)
+      .def("run", &FusedDecoder::run)
+      .def("num_layers", &FusedDecoder::num_layers);
+}

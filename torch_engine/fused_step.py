@@ -1,0 +1,113 @@
+"""The CPU engine's decode-only steps in one compiled call (``torch_engine/csrc/decode_step.cpp``).
+
+A decode node's steady state is a batch of single-token rows. On the fast CPU path the eager model
+spends half of such a step between its ops (Python, ~1,500 small ATen calls); ``FusedStep`` runs
+every layer of the step — norms, the integer GEMMs, rotary, the KV write, paged attention, the
+SiLU-gated MLP, the residual adds — inside one C++ call with one OpenMP region, and bumps the
+per-layer progress counter as the eager model does. The embedding lookup before it and the lm_head
+after it stay where they are (one call each).
+
+Which models: Llama-family GQA (``LlamaAttention`` + ``GatedMLP``: Llama, SmolLM2, Mistral-style, Qwen2
+biases, Qwen3 q/k norms), TP 1, every layer GEMM kept as stored (``Linear.quant``: the GGUF's Q4_0 /
+Q4_1 / Q8_0), rotary over the whole head, CPU. Which steps: decode-only (``StepInputs.decode_only``).
+Anything else runs the eager model. Numerics: activations and the residual stream in fp32 (the eager
+model keeps them in the engine's dtype), K / V stored in the pool's dtype; the GEMMs are the same
+kernel as the eager path's, so at one row the two paths differ only in where they round.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from torch_engine.config import KVLayout
+from torch_engine.kv_cache import PagedKVCache
+from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import GatedMLP, Linear, RMSNorm, RotaryTable
+from torch_engine.models.decoder import CausalLM, DecoderLayer
+from torch_engine.models.llama import LlamaAttention
+from torch_engine.parallel import TPGroup
+
+_NONE = torch.empty(0)
+
+
+def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.device) -> str | None:
+    """None if ``FusedStep`` can run this model's decode steps, else the reason it cannot."""
+    if device.type != "cpu":
+        return f"device {device.type}"
+    if tp.size != 1:
+        return f"TP {tp.size}"
+    if kv.spec.is_mla or kv.spec.dtype not in (torch.float32, torch.bfloat16):
+        return "MLA or a KV dtype other than fp32 / bf16"
+    if model.rotary_dim != model.cfg.head_dim:
+        return "a partial rotary embedding"
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.attn, layer.mlp
+        if not isinstance(attn, LlamaAttention) or type(mlp) is not GatedMLP:
+            return f"layers of {type(attn).__name__} / {type(mlp).__name__}"
+        for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            if lin.quant is None:
+                return "GEMM weights not kept as stored"
+    return None
+
+
+class FusedStep:
+    """One model's decode steps on the compiled path; build with ``why_not_fused(...) is None``."""
+
+    def __init__(
+        self, model: CausalLM, kv: PagedKVCache, progress: LayerProgress, rope: RotaryTable, kernels: ModuleType
+    ) -> None:
+        cfg, spec = model.cfg, kv.spec
+        first, mlp0 = model.layers[0].attn, model.layers[0].mlp
+        assert isinstance(first, LlamaAttention) and isinstance(mlp0, GatedMLP)
+        pool = kv.pools[0]
+        st = pool.stride()
+        if spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
+            strides = [st[0], st[1], st[2], st[3]]
+        else:  # [N, P, H, 2, D]
+            strides = [st[0], st[2], st[3], st[1]]
+        self._dtype = spec.dtype
+        self._embed = model.embed
+        self._step = kernels.FusedDecoder(
+            cfg.hidden_size, first.hq, first.hkv, first.d, mlp0.down.in_features, cfg.rms_norm_eps,
+            spec.page_size, strides, rope.cos.float().contiguous(), rope.sin.float().contiguous(),
+            model.norm.weight.detach(), progress.cpu_counts(),
+        )  # fmt: skip
+        for i, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.attn, layer.mlp
+            assert isinstance(attn, LlamaAttention) and isinstance(mlp, GatedMLP)
+            norms = [layer.attn_norm.weight, layer.mlp_norm.weight, _norm(attn.q_norm), _norm(attn.k_norm)]
+            lins = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
+            self._step.add_layer(
+                [n.detach() for n in norms], [_parts(lin) for lin in lins], [_kind(lin) for lin in lins],
+                [lin.out_features for lin in lins], kv.pools[i],
+            )  # fmt: skip
+        self.steps = 0  # decode steps served (tests, metrics)
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[B, hidden]`` (the engine's dtype) of a decode-only step."""
+        h = self._embed(input_ids)
+        out = self._step.run(h, positions, tables, kv_lens)
+        self.steps += 1
+        return out if self._dtype == torch.float32 else out.to(self._dtype)
+
+
+def _norm(n: RMSNorm | None) -> torch.Tensor:
+    return n.weight if n is not None else _NONE
+
+
+def _parts(lin: Linear) -> list[torch.Tensor]:
+    q = lin.quant
+    assert q is not None
+    return [q.qs, q.d, q.m, lin.bias.detach() if lin.bias is not None else _NONE]
+
+
+def _kind(lin: Linear) -> int:
+    assert lin.quant is not None
+    return int(lin.quant.kind)
