@@ -9,6 +9,7 @@ the dense shard). Every instruction-set path of the integer kernels: ``test_int8
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from gguf.quants import dequantize, quantize
 
 from bench.quality import TEXT, perplexity, prompt_logprobs, top1_agreement
 from builders import BuildOptions, build_engine
+from builders.build import load_checkpoint
 from builders.embedded import smollm2_gguf
 from builders.errors import BuildError
 from builders.gguf_import import load_gguf
@@ -191,3 +193,37 @@ def test_as_stored_fast_path_stays_within_the_stated_tolerance(smollm2_dir: Path
         for p, g in zip(prompts, greedy, strict=True)
     ]
     assert min(agree) >= 0.9, agree
+
+
+def test_build_time_quantization_of_a_dense_checkpoint(tiny, tmp_path: Path) -> None:
+    """``--weights q4_0``: an HF checkpoint's layer GEMMs become Q4_0 and its embedding Q8_0 (by gguf's
+    quantizer, with the error reported); norms stay dense; the reference path runs the dequantised
+    weights, the fast path the integer kernels, and the two agree on the next token most of the time."""
+    from builders.arguments import build_options, engine_source_arguments
+    from builders.quantize import quantize_checkpoint
+
+    folder, _ = tiny("qwen2")
+    ck = load_checkpoint(str(folder))
+    _, report8 = quantize_checkpoint(ck, QuantKind.Q8_0)
+    q4, report4 = quantize_checkpoint(ck, QuantKind.Q4_0)
+    down, embed = q4.tensors["model.layers.0.mlp.down_proj.weight"], q4.tensors["model.embed_tokens.weight"]
+    assert isinstance(down, Packed) and down.kind is QuantKind.Q4_0
+    assert isinstance(embed, Packed) and embed.kind is QuantKind.Q8_0
+    assert isinstance(q4.tensors["model.layers.0.input_layernorm.weight"], torch.Tensor)
+    assert isinstance(q4.tensors["model.layers.0.self_attn.q_proj.bias"], torch.Tensor)
+    assert 0 < report8.relative_rms(QuantKind.Q8_0) < 0.01 < report4.relative_rms(QuantKind.Q4_0) < 0.15
+    assert "Q4_0: 14 tensors" in report4.summary()  # 7 GEMMs x 2 layers (the embedding is Q8_0)
+
+    p = argparse.ArgumentParser()
+    engine_source_arguments(p)
+    opts = build_options(p.parse_args(["--weights", "q4_0", "--dtype", "float32", "--page-size", "4"]))
+    assert opts.quantize is QuantKind.Q4_0 and opts.weights is WeightStorage.AS_STORED
+    out = build_engine(str(folder), tmp_path / "q4", opts, progress=False)
+    assert EngineManifest.load(out).weights is WeightStorage.AS_STORED
+    ref = LLMEngine(EngineConfig(engine_dir=out, num_pages=64))
+    fast = LLMEngine(EngineConfig(engine_dir=out, num_pages=64, fast_cpu=True))
+    assert "q4_0+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
+    prompts = [[(5 * i + j) % 256 for j in range(4 + 3 * i)] for i in range(4)]
+    a = [prompt_logprobs(ref, p + [7] * 8) for p in prompts]
+    b = [prompt_logprobs(fast, p + [7] * 8) for p in prompts]
+    assert min(top1_agreement(x, y) for x, y in zip(a, b, strict=True)) >= 0.8
