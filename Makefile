@@ -46,10 +46,13 @@ bench: setup
 plan-seeds: setup
 	scripts/plan_seeds.sh runs/plan
 
-# The optional peer of `bench engine`: llama.cpp's Python binding, built from source (~8 min, portable flags:
-# GGML_NATIVE=ON died with an illegal instruction on these machines). Never needed by make test.
+# The optional peer of `bench engine`: llama.cpp's Python binding, built from source (~8 min) for this CPU's
+# instruction sets, named one by one (bench/peers.py; GGML_NATIVE=ON died with an illegal instruction on these
+# machines, and the portable build is AVX2-only); never from pip's wheel cache, which does not know the flags.
+# Never needed by make test.
 bench-peers: setup
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q llama-cpp-python==0.3.36
+	$(PY) -m pip install -q diskcache
+	CMAKE_ARGS="$$($(PY) -m bench.peers)" $(PY) -m pip install -q --no-cache-dir --no-deps --force-reinstall llama-cpp-python==0.3.36
 
 bench-engine: setup
 	$(VENV)/bin/disagg bench engine --json runs/bench_engine.json

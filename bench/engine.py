@@ -37,6 +37,7 @@ import torch
 
 from bench.bandwidth import copy_bandwidth, read_bandwidth
 from bench.peers import PeerPoint, hf_run, llamacpp_points, load_hf
+from bench.quality import Quality, measure_quality
 from builders.arguments import engine_dir_of, engine_source_arguments
 from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
 from torch_engine.cpu import cpu_info
@@ -60,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
                    help="decode-only steps through CUDA graphs (auto: on for CUDA)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write every figure and ratio here")
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="also: perplexity of the fast path vs the reference path on a fixed ~4k-token text (bench/quality.py)",
+    )
     p.add_argument(
         "--profile",
         type=Path,
@@ -89,6 +95,7 @@ class Options:
     decode_graphs: bool | None = None
     llamacpp: bool = True
     reference: bool = False
+    quality: bool = False
 
 
 @dataclass(slots=True)
@@ -131,6 +138,7 @@ class Report:
     kv_bytes_per_token: int
     by_threads: dict[int, ThreadReport] = field(default_factory=dict)
     goals: dict[str, bool] = field(default_factory=dict)
+    quality: Quality | None = None  # --quality: perplexity of the fast path vs the reference path
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -162,6 +170,7 @@ def run(a: argparse.Namespace) -> int:
     opts = Options(
         engine_dir_of(a), a.device, a.run_dtype, a.threads, a.prompt_len, a.decode_tokens, a.batch, a.repeats,
         not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs], not a.no_llamacpp, a.reference,
+        a.quality,
     )  # fmt: skip
     report = measure(opts)
     if opts.json:
@@ -255,9 +264,22 @@ def measure(opts: Options) -> Report:
                     if b in tr.points
                 ]
                 print(f"threads {threads} engine / llama.cpp ({peer.weights}): {', '.join(ratios)}", flush=True)
+    if opts.quality and not opts.reference and opts.device == "cpu":
+        report.quality = _quality(opts)
     report.goals = goals(report)
     print("goals: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in report.goals.items()))
     return report
+
+
+def _quality(opts: Options) -> Quality:
+    q = measure_quality(opts.engine_dir, "auto" if opts.run_dtype == "auto" else DType(opts.run_dtype))
+    print(
+        f"[bench] quality on {q.tokens} tokens: perplexity {q.ppl_reference:.3f} reference, {q.ppl_decode:.3f} "
+        f"decode path (x{q.decode_over_reference:.4f}), {q.ppl_prefill:.3f} 16-token prefill "
+        f"(x{q.prefill_over_reference:.4f}); top token as the reference's at {100 * q.top1_agreement:.1f}%",
+        flush=True,
+    )
+    return q
 
 
 def _device_info(device: str) -> dict[str, object]:
@@ -325,6 +347,8 @@ def goals(report: Report) -> dict[str, bool]:
             if 16 in pts and 16 in peer.batched_decode_tok_s:
                 agg = pts[16].engine_decode_tok_s / peer.batched_decode_tok_s[16]
                 out[f"batch16_aggregate_at_least_3x_llamacpp_batched_{tr.threads}t"] = agg >= 3.0
+    if report.quality is not None:
+        out["perplexity_within_0.5pct_of_the_dequantised_path"] = abs(report.quality.decode_over_reference - 1) <= 0.005
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +28,7 @@ class PeerPoint:
     batched_decode_tok_s: dict[int, float] = field(default_factory=dict)  # batch -> aggregate tok/s
     engine_decode_over_peer: float = 0.0
     step_over_floor: float = 0.0  # the batch-1 floor of the same thread count
+    build: str = ""  # llama.cpp's system info: the instruction sets it was built with
 
 
 def hf_run(model: torch.nn.Module, prompts: list[list[int]], decode_tokens: int) -> tuple[float, float]:
@@ -91,9 +92,9 @@ def llamacpp_points(
             print("[bench] llama.cpp requantisation failed: only the file as stored", flush=True)
     if requantised.exists():
         files.append((kind, requantised))
-    points = []
+    points, build = [], llamacpp_build_info(llama_cpp)
     for name, path in files:
-        point = _batch1(llama_cpp, path, name, prompt, decode_tokens, repeats, threads)
+        point = replace(_batch1(llama_cpp, path, name, prompt, decode_tokens, repeats, threads), build=build)
         for b in (b for b in batches if b > 1):
             point.batched_decode_tok_s[b] = _batched(llama_cpp, path, prompt, decode_tokens, repeats, threads, b)
         points.append(point)
@@ -180,3 +181,38 @@ def _batched(
         llama_cpp.llama_batch_free(rows)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+
+
+# llama.cpp's CMake switches for what this CPU has (``make bench-peers``): its portable build is AVX2-only,
+# and GGML_NATIVE=ON died with an illegal instruction on these machines, so the flags are named one by one.
+_GGML_FLAGS = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+    "amx_tile": "GGML_AMX_TILE",
+    "amx_int8": "GGML_AMX_INT8",
+    "amx_bf16": "GGML_AMX_BF16",
+}
+
+
+def llamacpp_cmake_args() -> str:
+    """``CMAKE_ARGS`` building llama.cpp for this CPU's instruction sets (the peer at its best here)."""
+    from torch_engine.cpu import cpu_info
+
+    have = cpu_info().flags
+    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{opt}=ON" for flag, opt in _GGML_FLAGS.items() if flag in have)])
+
+
+def llamacpp_build_info(llama_cpp: ModuleType) -> str:
+    """What the installed binding was built with (its system info line)."""
+    return bytes(llama_cpp.llama_print_system_info()).decode(errors="replace").strip()
+
+
+if __name__ == "__main__":
+    print(llamacpp_cmake_args())

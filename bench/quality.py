@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from torch_engine.config import DType, EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams, TokenLogprobs
 
-TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"  # public-domain prose, ~640 SmolLM2 tokens
+DATA = Path(__file__).resolve().parent / "data"
+TEXT = DATA / "perplexity.txt"  # public-domain prose, ~640 SmolLM2 tokens (the tests)
+LONG_TEXT = DATA / "perplexity-long.txt"  # that, and a fixed snapshot of this project's prose: ~4,300 tokens
 
 
 def prompt_logprobs(engine: LLMEngine, ids: Sequence[int], top: int = 1) -> list[TokenLogprobs]:
@@ -42,3 +47,42 @@ def top1_agreement(a: list[TokenLogprobs], b: list[TokenLogprobs]) -> float:
     """Share of positions whose most likely next token is the same in both."""
     same = sum(x.top_ids[:1] == y.top_ids[:1] for x, y in zip(a, b, strict=True))
     return same / len(a)
+
+
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """The fast path (weights as stored, integer GEMMs, the compiled decode step) against the reference
+    path (the same weights dequantised at load, fp32) on ``LONG_TEXT``."""
+
+    tokens: int
+    ppl_reference: float
+    ppl_decode: float  # one token a step: the decode path
+    ppl_prefill: float  # 16-token chunks: prefill rows on the integer GEMM
+    top1_agreement: float  # teacher-forced next token, 16-token chunks vs the reference
+
+    @property
+    def decode_over_reference(self) -> float:
+        return self.ppl_decode / self.ppl_reference
+
+    @property
+    def prefill_over_reference(self) -> float:
+        return self.ppl_prefill / self.ppl_reference
+
+
+def measure_quality(engine_dir: Path, run_dtype: DType | Literal["auto"], max_tokens: int = 4096) -> Quality:
+    def engine(fast: bool, chunk: int) -> LLMEngine:
+        sched = SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16))
+        dtype = run_dtype if fast else DType.FLOAT32
+        cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=fast, dtype=dtype, num_pages=max_tokens // 4)
+        return LLMEngine(cfg.model_copy(update={"scheduler": sched}))
+
+    ref = engine(False, 512)
+    assert ref.tokenizer is not None, "the quality measurement needs the engine's tokenizer"
+    ids = ref.tokenizer.encode(LONG_TEXT.read_text(encoding="utf-8"))[:max_tokens]
+    a = prompt_logprobs(ref, ids, top=1)
+    b = prompt_logprobs(engine(True, 16), ids, top=1)
+    ppl_ref = math.exp(-sum(x.logprob for x in a) / len(a))
+    return Quality(
+        len(ids), ppl_ref, perplexity(engine(True, 1), ids), math.exp(-sum(x.logprob for x in b) / len(b)),
+        top1_agreement(a, b),
+    )  # fmt: skip

@@ -92,8 +92,9 @@ class FusedStep:
         self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_lens: torch.Tensor
     ) -> torch.Tensor:
         """Final-norm hidden states ``[B, hidden]`` (the engine's dtype) of a decode-only step."""
-        h = self._embed(input_ids)
-        out = self._step.run(h, positions, tables, kv_lens)
+        table, kernels = self._embed.quant, self._embed.quant_kernels
+        h = table.rows(kernels, input_ids) if table is not None and kernels is not None else self._embed(input_ids)
+        out = self._step.run(h, positions, tables, kv_lens)  # fp32 rows from a table kept as stored
         self.steps += 1
         return out if self._dtype == torch.float32 else out.to(self._dtype)
 

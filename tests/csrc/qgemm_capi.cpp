@@ -1,6 +1,8 @@
 // A C entry point over torch_engine/csrc/qgemm.h for tests/test_int8_kernels.py, which compiles this file
 // once per instruction-set level (-march=x86-64, x86-64-v3, native) and checks that every path the engine
 // may pick on some CPU computes the same GEMM. No torch: plain arrays.
+#include <vector>
+
 #include "../../torch_engine/csrc/qgemm.h"
 
 extern "C" {
@@ -9,7 +11,8 @@ const char* qgemm_path() { return disagg_q::i8_path(); }
 
 // x [R, K] fp32 -> q [R, K] int8, dx / s [R, K / 32]
 void qgemm_quantize(const float* x, int64_t R, int64_t K, int8_t* q, float* dx, int32_t* s) {
-  disagg_q::quantize_rows(x, 0, R, K, q, dx, s);
+  std::vector<float> dxs(R * (K / 32));
+  disagg_q::quantize_rows(x, 0, R, K, q, dx, s, dxs.data());
 }
 
 // y [R, N] (+)= grouped weight (qs16 / d16 / m16, repacked as repack_q16 writes them) x quantized x
@@ -23,10 +26,13 @@ void qgemm_gemm(int64_t kind, int64_t N, int64_t K, const uint8_t* qs, const uin
   w.qs = qs;
   w.d = d;
   w.m = m;
+  std::vector<float> dxs(R * (K / 32));
+  for (size_t i = 0; i < dxs.size(); ++i) dxs[i] = dx[i] * static_cast<float>(s[i]);
   disagg_q::ActQ8 a;
   a.q = q;
   a.dx = dx;
   a.s = s;
+  a.dxs = dxs.data();
   a.K = K;
   disagg_q::gemm_groups(w, a, R, 0, w.groups(), y, N, bias, accumulate != 0);
 }

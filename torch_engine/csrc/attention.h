@@ -350,20 +350,23 @@ void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, OT
   for (int64_t g = 0; g < G; ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, parts[s * part + G * D + g]);
+    float w[64];  // each part's weight (parts of 128 tokens: 64 cover 8k tokens; more are merged in rounds)
     float denom = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
-      const float* p = parts + s * part;
-      denom += p[G * D + G + g] * std::exp(p[G * D + g] - mx);
+    for (int64_t s0 = 0; s0 < S; s0 += 64) {
+      const int64_t n = std::min<int64_t>(64, S - s0);
+      for (int64_t s = 0; s < n; ++s) {
+        const float* p = parts + (s0 + s) * part;
+        w[s] = std::exp(p[G * D + g] - mx);
+        denom += p[G * D + G + g] * w[s];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float v = s0 == 0 ? 0.0f : static_cast<float>(out[g * D + d]);
+        for (int64_t s = 0; s < n; ++s) v += parts[(s0 + s) * part + g * D + d] * w[s];
+        out[g * D + d] = static_cast<OT>(v);
+      }
     }
     const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int64_t d = 0; d < D; ++d) {
-      float v = 0.0f;
-      for (int64_t s = 0; s < S; ++s) {
-        const float* p = parts + s * part;
-        v += p[g * D + d] * std::exp(p[G * D + g] - mx);
-      }
-      out[g * D + d] = static_cast<OT>(v * inv);
-    }
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<OT>(static_cast<float>(out[g * D + d]) * inv);
   }
 }
 

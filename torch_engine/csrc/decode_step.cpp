@@ -61,6 +61,20 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t H, floa
   for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
 }
 
+// out = SiLU(gate) * up for one block of 32.
+inline void silu_mul(const float* gate, const float* up, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < BLOCK; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = disagg_attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                            _mm512_loadu_ps(up + i)));
+  }
+#else
+  for (int64_t i = 0; i < BLOCK; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+#endif
+}
+
 // HF's rotate_half on one head of D values: pairs i and i + D/2.
 inline void rope(float* x, const float* cos, const float* sin, int64_t D) {
   const int64_t half = D / 2;
@@ -204,6 +218,7 @@ class FusedDecoder {
     torch::Tensor aq = torch::empty({B * widest}, torch::TensorOptions().dtype(torch::kChar));
     torch::Tensor adx = torch::empty({B * widest / BLOCK}, f32);
     torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
+    torch::Tensor adxs = torch::empty({B * widest / BLOCK}, f32);
     out_ = torch::empty({B, H}, f32);
     float *x = x_.data_ptr<float>(), *xnp = xn.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
           *attp = att.data_ptr<float>(), *gup = gu.data_ptr<float>(), *midp = mid.data_ptr<float>(),
@@ -211,11 +226,13 @@ class FusedDecoder {
     int8_t* q8 = aq.data_ptr<int8_t>();
     float* dx = adx.data_ptr<float>();
     int32_t* sq = as.data_ptr<int32_t>();
+    float* dxs = adxs.data_ptr<float>();
     auto act = [&](int64_t K) {
       ActQ8 a;
       a.q = q8;
       a.dx = dx;
       a.s = sq;
+      a.dxs = dxs;
       a.K = K;
       return a;
     };
@@ -249,7 +266,7 @@ class FusedDecoder {
         // RMSNorm, quantized for QKV
         for (int64_t r = r0; r < r1; ++r) {
           rms_norm(x + r * H, L.attn_norm.data_ptr<float>(), xnp + r * H, H, eps_);
-          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq);
+          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq, dxs);
         }
 #pragma omp barrier
         {
@@ -303,7 +320,7 @@ class FusedDecoder {
 #pragma omp barrier
         for (int64_t r = r0; r < r1; ++r) {  // the parts combined, each row quantized for O
           disagg_attn::merge(partp + first_job[r] * PART, first_job[r + 1] - first_job[r], PART, HQ_, D, attp + r * A);
-          disagg_q::quantize_rows(attp, r, r + 1, A, q8, dx, sq);
+          disagg_q::quantize_rows(attp, r, r + 1, A, q8, dx, sq, dxs);
         }
 #pragma omp barrier
         {
@@ -314,7 +331,7 @@ class FusedDecoder {
         if (t == 0) __atomic_store_n(&counts[li], counts[li] + 1, __ATOMIC_RELEASE);  // this layer's KV is written
         for (int64_t r = r0; r < r1; ++r) {
           rms_norm(x + r * H, L.mlp_norm.data_ptr<float>(), xnp + r * H, H, eps_);
-          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq);
+          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq, dxs);
         }
 #pragma omp barrier
         {
@@ -330,8 +347,9 @@ class FusedDecoder {
             const float* gate = gup + r * 2 * I + blk * BLOCK;
             const float* up = gate + I;
             float* m = midp + r * I + blk * BLOCK;
-            for (int64_t i = 0; i < BLOCK; ++i) m[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-            disagg_q::quantize_block(m, q8 + r * I + blk * BLOCK, dx + r * NBI + blk, sq + r * NBI + blk);
+            silu_mul(gate, up, m);
+            const int64_t i = r * NBI + blk;
+            disagg_q::quantize_block(m, q8 + r * I + blk * BLOCK, dx + i, sq + i, dxs + i);
           }
         }
 #pragma omp barrier

@@ -105,12 +105,13 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
 }
 
 struct QuantizedAct {
-  torch::Tensor q, dx, s;
+  torch::Tensor q, dx, s, dxs;
   disagg_q::ActQ8 view() const {
     disagg_q::ActQ8 a;
     a.q = q.data_ptr<int8_t>();
     a.dx = dx.data_ptr<float>();
     a.s = s.data_ptr<int32_t>();
+    a.dxs = dxs.data_ptr<float>();
     a.K = q.size(1);
     return a;
   }
@@ -122,12 +123,14 @@ QuantizedAct quantize(const torch::Tensor& x) {
   const int64_t R = xf.size(0), K = xf.size(1), NB = K / BLOCK;
   QuantizedAct a{torch::empty({R, K}, torch::TensorOptions().dtype(torch::kChar)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
-                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt))};
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt)),
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat))};
   const float* xp = xf.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* dx = a.dx.data_ptr<float>();
   int32_t* s = a.s.data_ptr<int32_t>();
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s); });
+  float* dxs = a.dxs.data_ptr<float>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs); });
   return a;
 }
 

@@ -12,7 +12,7 @@
 //   Scales (and Q4_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
-// [-127, 127] (nearest, ties to even), s = sum(q). The error of the product is that of the activations'
+// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s). The error of the product is that of the activations'
 // rounding (|x - dx * q| <= dx / 2 per element); the weight side is exact.
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
@@ -97,16 +97,17 @@ struct Q16 {
 
 // R rows of activations quantized per 32-block.
 struct ActQ8 {
-  const int8_t* q = nullptr;  // [R, K]
-  const float* dx = nullptr;  // [R, NB]
+  const int8_t* q = nullptr;   // [R, K]
+  const float* dx = nullptr;   // [R, NB]
   const int32_t* s = nullptr;  // [R, NB]
+  const float* dxs = nullptr;  // [R, NB]: dx * s (Q4_1's minimum term)
   int64_t K = 0;
 };
 
 // ---- activations -------------------------------------------------------------------------------------
 
 // One 32-block of activations -> its quants, scale and quant sum.
-inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s) {
+inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs) {
 #if defined(__AVX512F__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -131,14 +132,18 @@ inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s) {
   *s = sum;
 #endif
   *dx = d;
+  *dxs = d * static_cast<float>(*s);
 }
 
 // Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s (each row's blocks in order).
-inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* dx, int32_t* s) {
+inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* dx, int32_t* s,
+                          float* dxs) {
   const int64_t NB = K / BLOCK;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < NB; ++b)
-      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + r * NB + b, s + r * NB + b);
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t i = r * NB + b;
+      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + i, s + i, dxs + i);
+    }
 }
 
 // ---- the kernels: one group of 16 outputs for a tile of R rows ---------------------------------------
@@ -182,18 +187,22 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
-      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, wv[c], _mm512_set1_epi32(xi[c]));
-        a1 = _mm512_dpbusd_epi32(a1, wv[c + 1], _mm512_set1_epi32(xi[c + 1]));
-      }
-      __m512i a = _mm512_add_epi32(a0, a1);
+      // the offset (Q4_0: -8 s, Q8_0's +128: -128 s) is where the sum starts
       const int32_t s = x.s[row * NB + b];
-      if constexpr (KD == Q4_0) a = _mm512_sub_epi32(a, _mm512_set1_epi32(8 * s));
-      if constexpr (KD == Q8_0) a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * s));
+      __m512i a = _mm512_set1_epi32(KD == Q4_0 ? -8 * s : (KD == Q8_0 ? -128 * s : 0));
+      if constexpr (R == 1) {  // two chains: one row has no other work to overlap the latency with
+        __m512i a1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
+          a1 = _mm512_dpbusd_epi32(a1, wv[c + 1], _mm512_set1_epi32(xi[c + 1]));
+        }
+        a = _mm512_add_epi32(a, a1);
+      } else {
+        for (int c = 0; c < 8; ++c) a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
+      }
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
-      if constexpr (KD == Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(dx * static_cast<float>(s)), acc[r]);
+      if constexpr (KD == Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
   }
   const int64_t n0 = g * GROUP;
@@ -257,7 +266,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       if constexpr (KD == Q4_0) a = _mm256_sub_epi32(a, _mm256_set1_epi32(8 * s));
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
-      if constexpr (KD == Q4_1) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(dx * static_cast<float>(s)), acc[r]);
+      if constexpr (KD == Q4_1) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
   }
 }
@@ -305,7 +314,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
         if constexpr (KD == Q4_0) dot -= 8 * s;
         const float dx = x.dx[row * NB + b];
         vals[r][j] += static_cast<float>(dot) * (d * dx);
-        if constexpr (KD == Q4_1) vals[r][j] += mn * (dx * static_cast<float>(s));
+        if constexpr (KD == Q4_1) vals[r][j] += mn * x.dxs[row * NB + b];
       }
     }
   }
