@@ -183,7 +183,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        head = self.model.lm_head
+        if head.quant is not None:  # the integer kernel takes fp32 rows and answers in fp32: no bf16 round trip
+            return head(hidden.float())
+        return head(hidden).float()
 
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """Leader: broadcast the step to the followers, run it, return the output rows' hidden states."""

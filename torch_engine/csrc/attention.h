@@ -344,10 +344,11 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
 }
 
 // out [G * D] = the normalised combination of S partial states (acc [G * D], m [G], l [G] each, at
-// stride `part` floats: acc first, then m, then l).
+// stride `part` floats: acc first, then m, then l); heads [g0, g1) only if given.
 template <typename OT>
-void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, OT* out) {
-  for (int64_t g = 0; g < G; ++g) {
+void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, OT* out, int64_t g0 = 0,
+           int64_t g1 = -1) {
+  for (int64_t g = g0; g < (g1 < 0 ? G : g1); ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, parts[s * part + G * D + g]);
     float w[64];  // each part's weight (parts of 128 tokens: 64 cover 8k tokens; more are merged in rounds)

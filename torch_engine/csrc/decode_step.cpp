@@ -61,6 +61,12 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t H, floa
   for (int64_t i = 0; i < H; ++i) out[i] = x[i] * inv * w[i];
 }
 
+inline float inv_rms(const float* x, int64_t H, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  return 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+}
+
 // out = SiLU(gate) * up for one block of 32.
 inline void silu_mul(const float* gate, const float* up, float* out) {
 #if defined(__AVX512F__)
@@ -252,9 +258,43 @@ class FusedDecoder {
     }
     std::vector<int64_t> job_row(first_job[B]);
     for (int64_t b = 0; b < B; ++b) std::fill(job_row.begin() + first_job[b], job_row.begin() + first_job[b + 1], b);
+    // jobs to threads by their tokens (a sequence's last part is short): thread t of n takes the jobs whose
+    // chunks start in [t / n, (t + 1) / n) of all the step's chunks
+    std::vector<int64_t> starts;  // chunks before each job
+    int64_t total_chunks = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t chunks = (lens[b] + disagg_attn::CHUNK - 1) / disagg_attn::CHUNK;
+      for (int64_t c = 0; c < chunks; c += PART_CHUNKS) starts.push_back(total_chunks + c);
+      total_chunks += chunks;
+    }
+    auto job_at = [&](int th, int n) -> int64_t {  // the first job of thread th of n
+      return std::lower_bound(starts.begin(), starts.end(), 0, [&](int64_t start, int) {
+               return start * n < static_cast<int64_t>(th) * total_chunks;
+             }) - starts.begin();
+    };
     const int64_t PART = A + 2 * HQ_;
     torch::Tensor parts = torch::empty({first_job[B] * PART}, f32);
     float* partp = parts.data_ptr<float>();
+
+    // RMSNorm of x's rows, quantized for the next GEMM: a (row, block) at a time, so that one row keeps every
+    // thread busy (each thread recomputes the norms of the rows it touches: H multiply-adds)
+    auto norm_quantize = [&](const float* xs, const float* w, float* out, int64_t rows, int t, int nt) {
+      const int64_t NBH = H / BLOCK;
+      const auto [k0, k1] = share(rows * NBH, t, nt);
+      int64_t row = -1;
+      float inv = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t r = k / NBH, blk = k % NBH;
+        if (r != row) {
+          row = r;
+          inv = inv_rms(xs + r * H, H, eps_);
+        }
+        const float* xr = xs + r * H + blk * BLOCK;
+        float* o = out + r * H + blk * BLOCK;
+        for (int64_t i = 0; i < BLOCK; ++i) o[i] = xr[i] * inv * w[blk * BLOCK + i];
+        disagg_q::quantize_block(o, q8 + r * H + blk * BLOCK, dx + k, sq + k, dxs + k);
+      }
+    };
 
 #pragma omp parallel num_threads(threads)
     {
@@ -264,10 +304,7 @@ class FusedDecoder {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
         // RMSNorm, quantized for QKV
-        for (int64_t r = r0; r < r1; ++r) {
-          rms_norm(x + r * H, L.attn_norm.data_ptr<float>(), xnp + r * H, H, eps_);
-          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq, dxs);
-        }
+        norm_quantize(x, L.attn_norm.data_ptr<float>(), xnp, B, t, nt);
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.qkv.w.groups(), t, nt);
@@ -304,9 +341,8 @@ class FusedDecoder {
 #pragma omp barrier
         // attention: (row, part of the sequence) jobs, every KV head in each (its pages read in address order)
         {
-          const auto [j0, j1] = share(first_job[B], t, nt);
           const T* pool = L.pool.data_ptr<T>();
-          for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t j = job_at(t, nt); j < job_at(t + 1, nt); ++j) {
             const int64_t b = job_row[j], c0 = (j - first_job[b]) * PART_CHUNKS, c1 = c0 + PART_CHUNKS;
             float* part = partp + j * PART;
             std::fill(part, part + A, 0.0f);
@@ -318,9 +354,19 @@ class FusedDecoder {
           }
         }
 #pragma omp barrier
-        for (int64_t r = r0; r < r1; ++r) {  // the parts combined, each row quantized for O
-          disagg_attn::merge(partp + first_job[r] * PART, first_job[r + 1] - first_job[r], PART, HQ_, D, attp + r * A);
-          disagg_q::quantize_rows(attp, r, r + 1, A, q8, dx, sq, dxs);
+        {  // the parts combined and quantized for O: a (row, query head) at a time where heads are whole blocks
+          const int64_t per = D % BLOCK == 0 ? HQ_ : 1, hs = HQ_ / per;  // items per row, heads per item
+          const auto [i0, i1] = share(B * per, t, nt);
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t r = i / per, h0 = (i % per) * hs;
+            disagg_attn::merge(partp + first_job[r] * PART, first_job[r + 1] - first_job[r], PART, HQ_, D,
+                               attp + r * A, h0, h0 + hs);
+            const int64_t NBA = A / BLOCK;
+            for (int64_t blk = h0 * D / BLOCK; blk < (h0 + hs) * D / BLOCK; ++blk) {
+              const int64_t k = r * NBA + blk;
+              disagg_q::quantize_block(attp + r * A + blk * BLOCK, q8 + r * A + blk * BLOCK, dx + k, sq + k, dxs + k);
+            }
+          }
         }
 #pragma omp barrier
         {
@@ -329,10 +375,7 @@ class FusedDecoder {
         }
 #pragma omp barrier
         if (t == 0) __atomic_store_n(&counts[li], counts[li] + 1, __ATOMIC_RELEASE);  // this layer's KV is written
-        for (int64_t r = r0; r < r1; ++r) {
-          rms_norm(x + r * H, L.mlp_norm.data_ptr<float>(), xnp + r * H, H, eps_);
-          disagg_q::quantize_rows(xnp, r, r + 1, H, q8, dx, sq, dxs);
-        }
+        norm_quantize(x, L.mlp_norm.data_ptr<float>(), xnp, B, t, nt);
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.gate_up.w.groups(), t, nt);
