@@ -51,28 +51,30 @@ def top1_agreement(a: list[TokenLogprobs], b: list[TokenLogprobs]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Quality:
-    """The fast path (weights as stored, integer GEMMs, the compiled decode step) against the reference
-    path (the same weights dequantised at load, fp32) on ``LONG_TEXT``."""
+    """The fast path (weights as stored, integer GEMMs, the compiled decode step) against the same weights
+    dequantised at load and run on the reference path in the same dtype (the issue's "dequantised path"),
+    on ``LONG_TEXT``; and the fp32 reference for scale."""
 
     tokens: int
-    ppl_reference: float
-    ppl_decode: float  # one token a step: the decode path
-    ppl_prefill: float  # 16-token chunks: prefill rows on the integer GEMM
-    top1_agreement: float  # teacher-forced next token, 16-token chunks vs the reference
+    dtype: str
+    ppl_dequantised: float  # the reference path, same dtype
+    ppl_fp32: float  # the reference path in fp32
+    ppl_decode: float  # fast path, one token a step: the decode path
+    ppl_prefill: float  # fast path, 16-token chunks: prefill rows on the integer GEMM
+    top1_agreement: float  # teacher-forced next token, 16-token chunks vs the dequantised path
 
     @property
-    def decode_over_reference(self) -> float:
-        return self.ppl_decode / self.ppl_reference
+    def decode_over_dequantised(self) -> float:
+        return self.ppl_decode / self.ppl_dequantised
 
     @property
-    def prefill_over_reference(self) -> float:
-        return self.ppl_prefill / self.ppl_reference
+    def prefill_over_dequantised(self) -> float:
+        return self.ppl_prefill / self.ppl_dequantised
 
 
 def measure_quality(engine_dir: Path, run_dtype: DType | Literal["auto"], max_tokens: int = 4096) -> Quality:
-    def engine(fast: bool, chunk: int) -> LLMEngine:
+    def engine(fast: bool, chunk: int, dtype: DType | Literal["auto"] = run_dtype) -> LLMEngine:
         sched = SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16))
-        dtype = run_dtype if fast else DType.FLOAT32
         cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=fast, dtype=dtype, num_pages=max_tokens // 4)
         return LLMEngine(cfg.model_copy(update={"scheduler": sched}))
 
@@ -81,8 +83,12 @@ def measure_quality(engine_dir: Path, run_dtype: DType | Literal["auto"], max_to
     ids = ref.tokenizer.encode(LONG_TEXT.read_text(encoding="utf-8"))[:max_tokens]
     a = prompt_logprobs(ref, ids, top=1)
     b = prompt_logprobs(engine(True, 16), ids, top=1)
-    ppl_ref = math.exp(-sum(x.logprob for x in a) / len(a))
+
+    def ppl(lps: list[TokenLogprobs]) -> float:
+        return math.exp(-sum(x.logprob for x in lps) / len(lps))
+
     return Quality(
-        len(ids), ppl_ref, perplexity(engine(True, 1), ids), math.exp(-sum(x.logprob for x in b) / len(b)),
+        len(ids), str(ref.describe().dtype).removeprefix("torch."), ppl(a),
+        perplexity(engine(False, 512, DType.FLOAT32), ids), perplexity(engine(True, 1), ids), ppl(b),
         top1_agreement(a, b),
     )  # fmt: skip

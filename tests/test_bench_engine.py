@@ -26,4 +26,22 @@ def test_bench_engine_reports_points_floor_and_path(tiny_engine_dir, tmp_path: P
         assert abs(p["step_over_floor"] - p["engine_decode_step_ms"] / p["floor_ms"]) < 1e-9
         assert p["hf_decode_tok_s"] is None  # --no-hf
     assert p2["floor_ms"] > p1["floor_ms"]  # twice the KV read
-    assert "batch1_within_1.2x_floor_1t" in report["goals"]
+    assert "batch1_within_1.3x_floor_1t" in report["goals"]
+    assert "batch8_over_batch1_step_at_most_1.5_one_thread" not in report["goals"]  # no batch 8 here
+
+
+def test_bench_engine_quality_compares_with_the_dequantised_path(smollm2_dir: Path, tmp_path: Path) -> None:
+    """``--quality``: perplexities of the dequantised path, the fp32 reference, the decode path and 16-token
+    prefill on the fixed text (its first 96 tokens here), the agreement, and the goal it judges."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "engine", "--engine", str(smollm2_dir), "--threads", "1", "--batch", "1", "--prompt-len",
+            "8", "--decode-tokens", "2", "--repeats", "1", "--no-hf", "--no-llamacpp", "--run-dtype", "float32",
+            "--quality", "96", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    q = json.loads(out.read_text(encoding="utf-8"))["quality"]
+    assert q["tokens"] == 96 and q["dtype"] == "float32"
+    assert q["ppl_dequantised"] == q["ppl_fp32"] > 1  # fp32 run: the dequantised path is the fp32 reference
+    for key in ("ppl_decode", "ppl_prefill"):
+        assert 0.9 < q[key] / q["ppl_dequantised"] < 1.1
+    assert 0.8 <= q["top1_agreement"] <= 1.0
+    assert "perplexity_within_0.5pct_of_the_dequantised_path" in json.loads(out.read_text())["goals"]
