@@ -227,3 +227,28 @@ def test_build_time_quantization_of_a_dense_checkpoint(tiny, tmp_path: Path) -> 
     a = [prompt_logprobs(ref, p + [7] * 8) for p in prompts]
     b = [prompt_logprobs(fast, p + [7] * 8) for p in prompts]
     assert min(top1_agreement(x, y) for x, y in zip(a, b, strict=True)) >= 0.8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_precise_gemm_also_multiplies_the_rounding_residual(kind: QuantKind) -> None:
+    """``precise`` (the lm_head at up to two rows): the activations' rounding residual, quantized again, is
+    multiplied too, so the result is within a hundredth of the one-pass bound of the dequantised GEMM."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no compiler here: the engine dequantises packed weights at load")
+    p, _ = _packed(kind, 200, 320, seed=7)
+    g = group(p, kernels)
+    x = torch.randn(3, 320)
+    bias = torch.randn(200)
+    w = p.dequantize().double()
+    exact = x.double() @ w.T + bias.double()
+    step = x.abs().reshape(3, -1, 32).amax(-1).double() / 127
+    bound = (step / 2).repeat_interleave(32, dim=1) @ w.abs().T
+    one = (g.gemm(kernels, x, bias).double() - exact).abs()
+    two = (g.gemm(kernels, x, bias, precise=True).double() - exact).abs()
+    assert bool((two <= bound / 100 + 1e-5).all()) and float(two.max()) < float(one.max()) / 20
+    head = Linear(320, 200, bias=False)
+    head.set_quant(g, torch.float32, kernels)
+    head.precise = True
+    near = (head(x[:2]).double() - (x[:2].double() @ w.T)).abs().max()  # two rows: precise
+    assert float(near) < float(bound[:2].max()) / 50

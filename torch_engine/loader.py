@@ -114,6 +114,8 @@ def _attach(model: CausalLM, packed: dict[str, Packed], dtype: torch.dtype, kern
             model.lm_head.set_quant(model.embed.quant, dtype, kernels)
         else:
             model.lm_head.weight = model.embed.weight
+    # the logits are the most sensitive GEMM: SmolLM2's perplexity lost 0.16 % of its 0.19 % there (2k tokens)
+    model.lm_head.precise = True
 
 
 def prepare_cpu_path(model: CausalLM, device: torch.device, dtype: torch.dtype) -> bool:

@@ -172,9 +172,11 @@ class Grouped:
     def parts(self) -> list[torch.Tensor]:
         return [self.qs, self.d, self.m]
 
-    def gemm(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + bias`` on the integer kernel (``x`` ``[R, k]`` fp32 or bf16; ``bias`` may be empty)."""
-        return kernels.gemm_q8(x, int(self.kind), self.qs, self.d, self.m, self.n, bias)
+    def gemm(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor, precise: bool = False) -> torch.Tensor:
+        """``x @ W.T + bias`` on the integer kernel (``x`` ``[R, k]`` fp32 or bf16; ``bias`` may be empty).
+        ``precise``: the activations' rounding residual is multiplied too (twice the dot products, ~250x less
+        error; the lm_head's choice)."""
+        return kernels.gemm_q8(x, int(self.kind), self.qs, self.d, self.m, self.n, bias, precise)
 
     def rows(self, kernels: ModuleType, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (all if None) dequantised to fp32, as ``Packed.dequantize`` gives them."""
