@@ -160,3 +160,20 @@ def test_a_failure_in_one_requests_sampling_fails_that_request_only(engine: LLME
     assert engine.request(bad).state is RequestState.FAILED
     assert [list(engine.request(i).output_ids) for i in ids] == alone
     assert engine.page_stats().used == 0
+
+
+def test_a_request_that_would_outgrow_the_pool_ends_at_its_size(tiny_engine_dir) -> None:
+    """16 pages of 4 tokens, and a request asking for 200 tokens past a 10-token prompt: alone it
+    cannot be preempted into room, so it ends with "length" at the pool's 64 tokens (it was
+    preempted by itself and recomputed without end); a request beside it keeps its tokens."""
+    engine = tiny_engine(tiny_engine_dir("llama"), num_pages=16, page_size=4)
+    big = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=200, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < 400, "the request never finished"
+    req = engine.request(big)
+    assert req.finish_reason is FinishReason.LENGTH and req.num_tokens == 64
+    small = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=5))
+    assert len(small[0]) == 5 and engine.page_stats().used == 0

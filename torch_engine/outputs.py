@@ -127,7 +127,9 @@ class Outputs:
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._eos_ids = frozenset(eos_ids)
-        self._max_model_len = max_model_len
+        # a request ends with "length" at the model's context, or at the whole pool's if smaller: one that
+        # outgrew the pool alone would be preempted by itself and recomputed without end
+        self._max_model_len = min(max_model_len, scheduler.allocator.num_pages * scheduler.page_size)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._masks = MaskPrefetch()
 
