@@ -23,6 +23,16 @@ class RouterSpec(_Frozen):
     api_key: str | None = Field(default=None, description="when set, every route but /health needs 'Bearer <key>'")
     served_model_name: str | None = Field(default=None, description="the model id clients send; None: the model's name")
     probe_interval_s: float = Field(default=1.0, gt=0, description="how often each decode group's readiness is probed")
+    probe_timeout_s: float = Field(
+        default=5.0, gt=0, description="a group that does not answer a probe within this leaves rotation until it does"
+    )
+    stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a group whose serving loop has been in one pass this long (or silent to probes this long) is "
+        "hung: it leaves rotation and the requests streaming from it are given up (retried elsewhere before the "
+        "first token, else ended with an error)",
+    )
     request_timeout_s: float = Field(default=600.0, gt=0, description="one request, first byte to last token")
     max_tokens_default: int = Field(default=256, ge=1, description="max_tokens when a request sets none")
     max_in_flight: int = Field(default=512, ge=1, description="requests served at once (streams hold theirs)")
@@ -43,6 +53,9 @@ class RouterConfig(_Frozen):
     engine_dir: Path = Field(description="an engine directory with the tokenizer and chat template")
     groups: list[GroupEndpoint] = Field(min_length=1)
     max_tokens_limit: int = Field(default=4096, ge=1, description="the decode nodes' own max_tokens limit")
+    node_key: str | None = Field(
+        default=None, description="the deployment's secret: sent on every call to a decode node (restricted inference)"
+    )
 
     @classmethod
     def load(cls, path: str | Path) -> RouterConfig:

@@ -1,12 +1,17 @@
 """One OpenAI request through the decode groups: prompt -> token ids -> pieces (with one retry
 on another group before the first token) -> text, usage, finish reason and log-probabilities.
 
+A group that fails in transport, sheds the request (overloaded) or is found hung by the probes
+(``GroupPool``) before the first token: the request is tried once more elsewhere; after it, the
+stream ends with an error. Shed everywhere: 503 with ``Retry-After``.
+
 Errors are values of ``ApiError`` (HTTP status, OpenAI error type and code); the server turns
 them into OpenAI's JSON error shape, or an error event once a stream has started.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -24,10 +29,10 @@ from frontend.api_types import (
     Usage,
 )
 from frontend.config import RouterConfig
-from frontend.groups import GroupPool
+from frontend.groups import Group, GroupPool
 from frontend.metrics import RouterMetrics
 from frontend.text import StopCutter, TextAssembler
-from frontend.upstream import GroupUnavailable, Piece, Refused
+from frontend.upstream import GroupUnavailable, Overloaded, Piece, Refused
 from serving.codecs import check_sampling
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.tokenizer import Tokenizer
@@ -41,6 +46,34 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after: float | None = None  # seconds: sent as Retry-After (429 / 503 when shedding load)
+
+
+SHED_RETRY_AFTER_S = 1.0  # Retry-After when every group tried shed the request
+
+
+async def until_hung(pieces: AsyncGenerator[Piece, None], group: Group) -> AsyncGenerator[Piece, None]:
+    """``pieces`` until ``group`` is found hung (``Group.hung``): then ``GroupUnavailable``, the call cancelled."""
+    hung = group.hung
+    gone = asyncio.ensure_future(hung.wait())
+    nxt: asyncio.Future[Piece] | None = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(anext(pieces))
+            await asyncio.wait((nxt, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                raise GroupUnavailable(f"given up on a hung group: {group.why_down}")
+            try:
+                piece = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield piece
+    finally:
+        gone.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+        await pieces.aclose()
 
 
 @dataclass(slots=True)
@@ -142,11 +175,15 @@ class Generator:
         before the first piece: once more elsewhere."""
         tried: set[str] = set()
         failures: list[str] = []
+        shed = False  # a group shed it (overloaded): the answer, if none serves it, says when to come back
         while True:
             picked = self.pool.pick(tried, ids, s.cache_salt, prefer)
             if picked is None:
                 downs = "; ".join(failures or [f"{g.name}: {g.why_down}" for g in self.pool.groups if not g.up])
-                raise ApiError(503, f"no decode group can serve this request ({downs})", "server_error")
+                after = SHED_RETRY_AFTER_S if shed else None
+                raise ApiError(
+                    503, f"no decode group can serve this request ({downs})", "server_error", retry_after=after
+                )
             group, expected = picked
             tried.add(group.name)
             outcome.group = group.name
@@ -155,21 +192,25 @@ class Generator:
             assert group.client is not None
             with self.pool.track(group, len(ids) - expected, s.max_tokens) as ticket:
                 try:
-                    calls = upstream.stream(group.client, ids, s, rid, self.cfg.spec.request_timeout_s)
-                    async with contextlib.aclosing(calls) as responses:
+                    call = upstream.stream(group.client, ids, s, rid, self.cfg.spec.request_timeout_s, group.headers)
+                    async with contextlib.aclosing(until_hung(call, group)) as responses:
                         async for piece in responses:
                             got_any = True
                             ticket.progress(piece.generated)
                             yield piece
                     return
-                except GroupUnavailable as exc:
-                    self.pool.down(group, str(exc))
+                except (GroupUnavailable, Overloaded) as exc:
+                    if isinstance(exc, GroupUnavailable):
+                        self.pool.down(group, str(exc))
                     if got_any:
                         message = f"decode group {group.name} failed mid-stream: {exc}"
                         raise ApiError(502, message, "server_error") from None
                     failures.append(f"{group.name}: {exc}")
+                    shed = shed or isinstance(exc, Overloaded)
                     if len(tried) >= 2:
-                        raise ApiError(503, f"decode groups failed: {'; '.join(failures)}", "server_error") from None
+                        after = SHED_RETRY_AFTER_S if shed else None
+                        message = f"decode groups failed: {'; '.join(failures)}"
+                        raise ApiError(503, message, "server_error", retry_after=after) from None
                     self.metrics.retries.inc()
                 except Refused as exc:
                     status = 502 if got_any else 400

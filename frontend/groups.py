@@ -8,6 +8,14 @@ tokens the group's prefix cache lacks (``cache_index.py``, kept from each group'
 polled with every readiness probe) — which, with decode-first reuse, are also the KV it would
 have moved from a prefill group. A group leaves rotation when a call to it fails in transport or
 a readiness probe fails, and comes back when a probe succeeds.
+
+A probe is also a liveness check of the model, not only of the server: its events call is
+answered by the node's ``decode`` model with how long its serving loop has been in one pass
+(``stalled_s``). A group that does not answer within ``probe_timeout_s`` leaves rotation; one
+whose loop has been in a pass ``stall_timeout_s`` or longer — or that has been silent that long —
+is *hung*: ``Group.hung`` is set, and the requests streaming from it give up on it (before their
+first token they are retried on another group) instead of waiting out the request deadline.
+The node's own watchdog ends a wedged process later (``loop_stall_s``) and the launcher restarts it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -24,8 +33,9 @@ from tritonclient.grpc import InferenceServerException
 
 from frontend import upstream
 from frontend.cache_index import CacheIndex
-from frontend.config import GroupEndpoint
+from frontend.config import GroupEndpoint, RouterSpec
 from serving.names import Model
+from serving.node_config import GRPC_AUTH_HEADER
 
 log = logging.getLogger("frontend.groups")
 
@@ -41,6 +51,9 @@ class Group:
     in_flight: int = 0
     served: int = 0
     cache: CacheIndex = field(default_factory=CacheIndex)
+    headers: dict[str, str] | None = None  # the deployment's key (decode nodes restrict inference)
+    hung: asyncio.Event = field(default_factory=asyncio.Event)  # set: its streams give up on it
+    answered_at: float = field(default_factory=time.monotonic)  # the last probe it answered
 
 
 @dataclass(slots=True)
@@ -64,10 +77,16 @@ class Ticket:
 @dataclass(slots=True)
 class GroupPool:
     groups: list[Group] = field(default_factory=list)
+    probe_timeout_s: float = RouterSpec.model_fields["probe_timeout_s"].default
+    stall_timeout_s: float = RouterSpec.model_fields["stall_timeout_s"].default
 
     @classmethod
-    def of(cls, endpoints: list[GroupEndpoint]) -> GroupPool:
-        return cls([Group(e.name, e.grpc_url) for e in endpoints])
+    def of(cls, endpoints: list[GroupEndpoint], spec: RouterSpec | None = None, key: str | None = None) -> GroupPool:
+        """``key``: the deployment's secret, sent with every call to a group."""
+        spec = spec or RouterSpec()
+        headers = {GRPC_AUTH_HEADER: key} if key else None
+        groups = [Group(e.name, e.grpc_url, headers=headers) for e in endpoints]
+        return cls(groups, spec.probe_timeout_s, spec.stall_timeout_s)
 
     def open(self) -> None:
         """gRPC clients for every group, bound to the running event loop."""
@@ -108,37 +127,58 @@ class GroupPool:
             log.warning("decode group %s (%s) leaves rotation: %s", group.name, group.url, why)
         group.up, group.why_down = False, why
 
+    def _hung(self, group: Group, why: str) -> None:
+        self.down(group, why)
+        if not group.hung.is_set():
+            log.error("decode group %s (%s) is hung: %s; its streams give up on it", group.name, group.url, why)
+            group.hung.set()
+
+    def _alive(self, group: Group, stalled_s: float) -> None:
+        """The group answered a probe: hung while its loop has been in one pass too long."""
+        group.answered_at = time.monotonic()
+        if stalled_s >= self.stall_timeout_s:
+            self._hung(group, f"its serving loop has been in one pass for {stalled_s:.0f} s")
+            return
+        if group.hung.is_set():
+            group.hung = asyncio.Event()  # a fresh one for the streams that start from now on
+        if not group.up:
+            log.info("decode group %s (%s) is in rotation", group.name, group.url)
+            group.up, group.why_down = True, ""
+
     async def probe(self, timeout_s: float) -> None:
         await asyncio.gather(*(self._probe(g, timeout_s) for g in self.groups))
 
     async def _probe(self, group: Group, timeout_s: float) -> None:
+        """Ready, then the events call: the group's cache events and how long its loop is in a pass."""
         assert group.client is not None, "GroupPool.open() first"
         try:
-            ready = await asyncio.wait_for(group.client.is_model_ready(Model.DECODE.value), timeout_s)
-        except (InferenceServerException, grpc.aio.AioRpcError, TimeoutError, OSError) as exc:
-            self.down(group, f"readiness probe failed: {type(exc).__name__}: {exc}")
-            return
-        if not ready:
-            self.down(group, f"model {Model.DECODE.value} is not ready")
-        else:
-            if not group.up:
-                log.info("decode group %s (%s) is in rotation", group.name, group.url)
-                group.up, group.why_down = True, ""
-            await self._poll_events(group, timeout_s)
-
-    async def _poll_events(self, group: Group, timeout_s: float) -> None:
-        """The group's prefix-cache events since the last poll (a failure only delays them)."""
-        assert group.client is not None
-        try:
-            batch = await asyncio.wait_for(upstream.events(group.client, group.cache.query(), timeout_s), timeout_s)
-        except (upstream.GroupUnavailable, upstream.Refused, TimeoutError) as exc:
+            ready = await asyncio.wait_for(
+                group.client.is_model_ready(Model.DECODE.value, headers=group.headers), timeout_s
+            )
+            if not ready:
+                self.down(group, f"model {Model.DECODE.value} is not ready")
+                return
+            call = upstream.events(group.client, group.cache.query(), timeout_s + 1.0, group.headers)  # ours first
+            batch = await asyncio.wait_for(call, timeout_s)
+        except upstream.Refused as exc:  # answered: alive, but no events this time
             log.debug("decode group %s: no cache events this time: %s", group.name, exc)
+            self._alive(group, 0.0)
+            return
+        except (InferenceServerException, grpc.aio.AioRpcError, upstream.GroupUnavailable, TimeoutError, OSError) as e:
+            timed_out = isinstance(e, TimeoutError)  # reached but silent (refused / reset: down, not hung)
+            why = f"no answer to a probe in {timeout_s:g} s" if timed_out else f"probe failed: {type(e).__name__}: {e}"
+            silent = time.monotonic() - group.answered_at
+            if timed_out and silent >= self.stall_timeout_s:
+                self._hung(group, f"{why}; silent for {silent:.0f} s")
+            else:
+                self.down(group, why)
             return
         group.cache.apply(batch)
+        self._alive(group, batch.stalled_s)
 
     async def probe_forever(self, interval_s: float) -> None:
         while True:
-            await self.probe(timeout_s=max(interval_s, 1.0))
+            await self.probe(timeout_s=self.probe_timeout_s)
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:

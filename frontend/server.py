@@ -115,7 +115,7 @@ def _sse(model: BaseModel | str) -> bytes:
 class Router:
     def __init__(self, cfg: RouterConfig, pool: GroupPool | None = None) -> None:
         self.cfg = cfg
-        self.pool = pool or GroupPool.of(cfg.groups)
+        self.pool = pool or GroupPool.of(cfg.groups, cfg.spec, cfg.node_key)
         self.metrics = RouterMetrics(self.pool)
         self.gen = Generator(cfg, self.pool, self.metrics)
         s = cfg.spec

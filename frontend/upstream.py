@@ -1,9 +1,11 @@
 """One request to one decode group's ``decode`` model over Triton gRPC streaming: token ids in,
 token windows out (the same windows the ``llm`` ensemble's postprocessing decodes).
 
-Failures are reported as two exceptions: ``GroupUnavailable`` (the transport failed: the group is
-down or unreachable; the router takes it out of rotation and may retry elsewhere) and
-``Refused`` (the group answered with an error for this request: bad input, or its own failure).
+Failures are reported as three exceptions: ``GroupUnavailable`` (the transport failed: the group is
+down or unreachable; the router takes it out of rotation and may retry elsewhere), ``Overloaded``
+(the group shed the request: too many waiting there, or no first token in time; another group
+may take it) and ``Refused`` (the group answered with an error for this request: bad input, or
+its own failure).
 Closing the iterator cancels the call, so the decode node aborts the request and frees its pages.
 """
 
@@ -27,7 +29,7 @@ from serving.codecs import (
     parse_piece,
 )
 from serving.kv_events import KVEventBatch, KVEventsQuery
-from serving.names import Model, Tensor
+from serving.names import OVERLOADED, Model, Tensor
 from serving.wire import client_inputs
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
@@ -38,6 +40,10 @@ class GroupUnavailable(RuntimeError):
 
 class Refused(RuntimeError):
     """The group answered this request with an error."""
+
+
+class Overloaded(Refused):
+    """The group shed this request (its error starts with ``OVERLOADED``)."""
 
 
 Piece = DecodePiece  # one streamed response of ``decode`` (its codec: ``serving.codecs``)
@@ -60,19 +66,23 @@ def _piece(result: object, k: int | None, prompt_k: int | None) -> Piece:
         raise Refused(f"the decode model's response: {exc}") from None
 
 
+Headers = Mapping[str, str] | None  # the deployment's key, where decode nodes restrict inference
+
+
 async def _results(
-    client: aioclient.InferenceServerClient, request: Mapping[str, object], timeout_s: float
+    client: aioclient.InferenceServerClient, request: Mapping[str, object], timeout_s: float, headers: Headers
 ) -> AsyncGenerator[object, None]:
     """The responses of one call to ``decode``: a transport failure is ``GroupUnavailable``, an error
     the group answered ``Refused``; closing the generator cancels the call."""
     try:
-        responses = client.stream_infer(_one(request), stream_timeout=timeout_s)
+        responses = client.stream_infer(_one(request), stream_timeout=timeout_s, headers=headers)
     except InferenceServerException as exc:
         raise GroupUnavailable(str(exc)) from None
     try:
         async for result, error in responses:
             if error is not None:
-                raise Refused(str(error.message() or error))
+                message = str(error.message() or error)
+                raise (Overloaded if OVERLOADED in message else Refused)(message)
             yield result
     except grpc.aio.AioRpcError as exc:
         raise GroupUnavailable(f"{exc.code().name}: {exc.details()}") from None
@@ -81,7 +91,12 @@ async def _results(
 
 
 async def stream(
-    client: aioclient.InferenceServerClient, ids: list[int], s: SamplingParams, request_id: str, timeout_s: float
+    client: aioclient.InferenceServerClient,
+    ids: list[int],
+    s: SamplingParams,
+    request_id: str,
+    timeout_s: float,
+    headers: Headers = None,
 ) -> AsyncGenerator[Piece, None]:
     outputs = OUTPUTS + (LOGPROB_OUTPUTS if s.logprobs is not None else ())
     outputs += PROMPT_OUTPUTS if s.prompt_logprobs is not None else ()
@@ -91,7 +106,7 @@ async def stream(
         "outputs": [InferRequestedOutput(name) for name in outputs],
         "request_id": request_id,
     }
-    async with contextlib.aclosing(_results(client, request, timeout_s)) as results:
+    async with contextlib.aclosing(_results(client, request, timeout_s, headers)) as results:
         async for result in results:
             piece = _piece(result, s.logprobs, s.prompt_logprobs)
             yield piece
@@ -100,14 +115,16 @@ async def stream(
     raise GroupUnavailable("the stream ended before the last token")
 
 
-async def events(client: aioclient.InferenceServerClient, query: KVEventsQuery, timeout_s: float) -> KVEventBatch:
+async def events(
+    client: aioclient.InferenceServerClient, query: KVEventsQuery, timeout_s: float, headers: Headers = None
+) -> KVEventBatch:
     """The group's prefix-cache events after ``query`` (``serving.kv_events``): one control call."""
     request = {
         "model_name": Model.DECODE.value,
         "inputs": client_inputs(DECODE, encode_events_query(query)),
         "outputs": [InferRequestedOutput(Tensor.KV_EVENTS.value)],
     }
-    async with contextlib.aclosing(_results(client, request, timeout_s)) as results:
+    async with contextlib.aclosing(_results(client, request, timeout_s, headers)) as results:
         async for result in results:
             try:
                 return parse_events(result.as_numpy)  # type: ignore[attr-defined]

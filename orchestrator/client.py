@@ -17,6 +17,7 @@ import tritonclient.grpc.aio as aioclient
 
 from serving.codecs import DECODE, DecodeCall, encode_decode, encode_llm, parse_piece, parse_text_output
 from serving.names import Model, Tensor
+from serving.node_config import GRPC_AUTH_HEADER
 from serving.wire import SIGNATURES, client_inputs
 from torch_engine.sampling import SamplingParams
 
@@ -56,6 +57,10 @@ async def _one(request: dict) -> AsyncIterator[dict]:
     yield request
 
 
+def _headers(key: str | None) -> dict[str, str] | None:
+    return {GRPC_AUTH_HEADER: key} if key else None
+
+
 async def generate(
     client: aioclient.InferenceServerClient,
     prompt: str,
@@ -65,8 +70,10 @@ async def generate(
     timeout_s: float = 600.0,
     on_piece: Callable[[str], None] | None = None,
     ignore_eos: bool = False,
+    key: str | None = None,
 ) -> Completion:
-    """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival."""
+    """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival.
+    ``key``: the deployment's secret (``RUN_DIR/secret``) where its nodes restrict inference."""
     req = {
         "model_name": Model.LLM.value,
         "inputs": llm_inputs(prompt, max_tokens, True, chat, ignore_eos),
@@ -74,7 +81,7 @@ async def generate(
         "enable_empty_final_response": True,
     }
     done = Completion(request_id, time.time())
-    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
+    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s, headers=_headers(key)):
         if error is not None:
             done.error = str(error)
             break
@@ -96,13 +103,14 @@ async def generate_ids(
     max_tokens: int,
     request_id: str,
     timeout_s: float = 600.0,
+    key: str | None = None,
 ) -> Completion:
     """All generated token ids of one request to the ``decode`` model (one response: stream=false)."""
     call = DecodeCall(prompt_ids, SamplingParams(max_tokens=max_tokens), stream=False)
     inputs = client_inputs(DECODE, encode_decode(call))
     req = {"model_name": Model.DECODE.value, "inputs": inputs, "request_id": request_id}
     done = Completion(request_id, time.time())
-    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s):
+    async for result, error in client.stream_infer(_one(req), stream_timeout=timeout_s, headers=_headers(key)):
         if error is not None:
             done.error = str(error)
         else:

@@ -100,7 +100,8 @@ class SecuritySpec(_Frozen):
     restrict: Restrict = Field(
         default=Restrict.AUTO,
         description="Triton's model-repository protocol (every node) and inference protocol (prefill nodes) "
-        "need the deployment's secret key; auto: on unless bound to loopback",
+        "need the deployment's secret key, and a router bound off loopback needs router.api_key; auto: on unless "
+        "bound to loopback",
     )
 
 
@@ -173,11 +174,15 @@ class ClusterConfig(_Frozen):
     run_dir: Path = Field(default=Path("runs/deploy"), description="logs, rendered configs and the mpirun script")
 
     @property
+    def loopback(self) -> bool:
+        """Do the servers bound to ``bind`` (the router among them) listen on loopback only?"""
+        return self.bind.startswith("127.") or self.bind in ("localhost", "::1")
+
+    @property
     def restricted(self) -> bool:
         """Do restricted protocols need the deployment's key (``security.restrict``)?"""
         if self.security.restrict is Restrict.AUTO:  # anything reachable from another machine
-            loopback = self.bind.startswith("127.") or self.bind in ("localhost", "::1")
-            return self.multi_host or not loopback
+            return self.multi_host or not self.loopback
         return self.security.restrict is Restrict.ON
 
     @field_validator("hosts", mode="before")
@@ -206,6 +211,13 @@ class ClusterConfig(_Frozen):
             raise ValueError(f"ports must differ, got http/grpc/metrics {ports}")
         if self.router.enabled and self.router.port in ports:
             raise ValueError(f"router.port {self.router.port} is also one of the Triton ports {ports}")
+        open_router = self.router.enabled and self.router.api_key is None and not self.loopback
+        if open_router and self.security.restrict is not Restrict.OFF:
+            raise ValueError(
+                f"router.api_key is needed: the router listens on {self.bind}, reachable from other machines, "
+                "and would serve anyone there; set one, bind 127.0.0.1, or set security.restrict: off to "
+                "serve it open on purpose"
+            )
         if self.scheduler.max_prefill_chunk > self.scheduler.max_num_batched_tokens:
             raise ValueError("scheduler.max_prefill_chunk must not exceed scheduler.max_num_batched_tokens")
         names = [h.name for h in self.hosts]

@@ -60,7 +60,7 @@ async def _demo(cfg: ClusterConfig, prepared: RunPlan, prompt: str, max_tokens: 
 
     client = aioclient.InferenceServerClient(f"{cfg.bind}:{prepared.leaders[0].ports.grpc}")
     try:
-        return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=_show)
+        return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=_show, key=prepared.secret)
     finally:
         await client.close()
 

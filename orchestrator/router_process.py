@@ -25,11 +25,17 @@ def served_model_name(spec: RouterSpec, model: str) -> str:
 
 
 def router_config(
-    spec: RouterSpec, bind: str, model: str, engine_dir: Path, groups: list[GroupEndpoint], max_tokens: int
+    spec: RouterSpec,
+    bind: str,
+    model: str,
+    engine_dir: Path,
+    groups: list[GroupEndpoint],
+    max_tokens: int,
+    node_key: str | None = None,
 ) -> RouterConfig:
     return RouterConfig(
         spec=spec, host=bind, model_name=served_model_name(spec, model), engine_dir=engine_dir, groups=groups,
-        max_tokens_limit=max_tokens,
+        max_tokens_limit=max_tokens, node_key=node_key,
     )  # fmt: skip
 
 

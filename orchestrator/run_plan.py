@@ -230,12 +230,13 @@ class Renderer:
         return (Model.LLM, Model.ENSEMBLE) if has_tokenizer else (Model.DECODE,)
 
     def restriction(self, slot: RankSlot) -> Restriction | None:
-        """Model control on every node; on prefill nodes also inference (a prefill request makes the
-        node write into decode memory): only the deployment's own callers, which carry the key."""
+        """Model control and inference on every node: only callers with the key — the deployment's own
+        (decode -> prefill, the router -> decode) and clients given it (``RUN_DIR/secret``). A prefill
+        request makes a node write into decode memory; a decode node's ``stop`` aborts live requests."""
         if self.auth_key is None:
             return None
-        protocols = ("model-repository", "inference") if slot.role is Role.PREFILL else ("model-repository",)
-        return Restriction(protocols, self.auth_key)
+        del slot  # the same on every node
+        return Restriction(("model-repository", "inference"), self.auth_key)
 
     def environment(self) -> dict[str, str]:
         """What every rank needs: the Triton stub's environment, and this run's id (to find its processes)."""
@@ -281,7 +282,7 @@ class Renderer:
             for ld in leaders
             if ld.slot.role is not Role.PREFILL
         ]
-        return router_config(cfg.router, cfg.bind, cfg.model, engine_dir, groups, cfg.limits.max_tokens)
+        return router_config(cfg.router, cfg.bind, cfg.model, engine_dir, groups, cfg.limits.max_tokens, self.auth_key)
 
     def node(self, slot: RankSlot, ports: Ports | None, generation: int) -> NodeConfig:
         cfg, spec = self.cfg, self.cfg.spec(slot.role)

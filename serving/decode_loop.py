@@ -10,16 +10,26 @@ the failures it reports. ``on_exit`` runs on the loop thread when it ends (TP gr
 their followers there: collectives belong to this thread).
 
 Per request: inbox ──admit──> engine (or KVSource) ──steps──> callback(delta)* ──finished──> callback(final)
+
+Overload is shed, not absorbed: a request is *pending* from ``submit`` until its first output
+(in the inbox, the engine's waiting queue, or the KVSource's reservations and transfers). With
+``max_pending`` requests pending a new one is refused at once, and a request still pending
+``first_token_s`` after its submission is aborted; both errors start with ``OVERLOADED`` (routers
+answer them 503 + Retry-After, or try another group), so that a node under 3x its capacity keeps
+its latency bounded and its memory flat instead of queueing without end.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from serving.loop import LoopReport, ReportHook, ServingLoop
+from serving.names import OVERLOADED
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, SamplingParams
@@ -28,6 +38,10 @@ from torch_engine.tokenizer import IncrementalDetokenizer
 log = logging.getLogger(__name__)
 
 Callback = Callable[[RequestOutput], None]
+
+
+def _failed(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, finished=True, finish_reason=FinishReason.ERROR, error=error)
 
 
 class KVSource(Protocol):
@@ -66,6 +80,7 @@ class _Submit:
     params: SamplingParams
     chat: bool
     callback: Callback
+    at: float = field(default_factory=time.monotonic)
 
 
 class DecodeLoop(ServingLoop[_Submit | _Cancel]):
@@ -80,9 +95,17 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
         on_exit: Callable[[], None] | None = None,
         kv_poll_s: float = 0.0005,
         heartbeat: Callable[[], None] | None = None,
+        max_pending: int | None = None,
+        first_token_s: float | None = None,
+        stall_s: float | None = None,
     ) -> None:
-        super().__init__(on_exit, on_report)
+        super().__init__(on_exit, on_report, stall_s)
         self.engine = engine
+        self.max_pending, self.first_token_s = max_pending, first_token_s
+        self._pending = 0  # submitted, no output yet (under ``_pending_lock``: ``submit`` runs on any thread)
+        self._pending_lock = threading.Lock()
+        self._first: dict[str, float] = {}  # loop thread: admitted requests without an output -> submitted at
+        self._expiry_check = 0.0
         self.heartbeat = heartbeat  # colocated TP leaders: keep idle followers' collectives within their timeout
         self.kv = kv
         self.idle_wait_s = idle_wait_s
@@ -101,12 +124,21 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
             try:
                 self.engine.prepare_guide(params.guide)
             except InvalidRequestError as exc:
-                error = RequestOutput(
-                    request_id=request_id, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)
-                )
-                self._call(callback, error)
+                self._call(callback, _failed(request_id, str(exc)))
                 return
+        with self._pending_lock:
+            full = self.max_pending is not None and self._pending >= self.max_pending
+            if not full:
+                self._pending += 1
+        if full:
+            shed = f"{OVERLOADED}{self.max_pending} requests are waiting for their first token here (max_pending)"
+            self._call(callback, _failed(request_id, shed))
+            return
         self._put(_Submit(request_id, prompt, params, chat, callback))
+
+    def pending(self) -> int:
+        """Requests submitted that have no output yet."""
+        return self._pending
 
     def cancel(self, request_id: str) -> None:
         self._put(_Cancel(request_id))
@@ -124,16 +156,14 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
                 self._finish(rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ABORT))
                 self._stepped = True  # pages changed: report now
             return
+        self._first[item.request_id] = item.at
         try:
             if self.kv is not None and isinstance(item.prompt, list):
                 self.kv.admit(item.request_id, item.prompt, item.params)
             else:
                 self.engine.add_request(item.prompt, item.params, request_id=item.request_id, chat=item.chat)
         except InvalidRequestError as exc:
-            error = RequestOutput(
-                request_id=item.request_id, finished=True, finish_reason=FinishReason.ERROR, error=str(exc)
-            )
-            self._call(item.callback, error)
+            self._call(item.callback, _failed(item.request_id, str(exc)))
             return
         self._callbacks[item.request_id] = item.callback
         if self.engine.tokenizer is not None:
@@ -147,16 +177,27 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
 
     def _fail_all(self, error: str) -> None:
         for rid in list(self._callbacks):
-            self._finish(
-                rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ERROR, error=error)
-            )
+            self._finish(rid, _failed(rid, error))
+
+    def _expire(self) -> None:
+        """Abort the requests still without an output ``first_token_s`` after they were submitted."""
+        now = time.monotonic()
+        if self.first_token_s is None or now - self._expiry_check < 0.1:
+            return
+        self._expiry_check = now
+        late = [rid for rid, at in self._first.items() if now - at > self.first_token_s]
+        for rid in late:
+            if not (self.kv is not None and self.kv.cancel(rid)):
+                self.engine.abort(rid)
+            error = f"{OVERLOADED}no first token within {self.first_token_s:g} s (first_token_s)"
+            self._finish(rid, _failed(rid, error))
+            self._stepped = True
 
     def _work(self) -> None:
+        self._expire()
         if self.kv is not None:
             for rid, error in self.kv.tick():
-                self._finish(
-                    rid, RequestOutput(request_id=rid, finished=True, finish_reason=FinishReason.ERROR, error=error)
-                )
+                self._finish(rid, _failed(rid, error))
         if self.engine.has_unfinished():
             for out in self.engine.step():
                 try:
@@ -164,9 +205,7 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
                 except Exception as exc:  # the tokenizer's own error types: this request fails, the others go on
                     log.warning("request %s: detokenising failed: %s", out.request_id, exc)
                     error = f"detokenising failed: {exc}"
-                    delta = RequestOutput(
-                        request_id=out.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error
-                    )
+                    delta = _failed(out.request_id, error)
                 if delta.finished:
                     self._finish(out.request_id, delta)
                 else:
@@ -213,6 +252,9 @@ class DecodeLoop(ServingLoop[_Submit | _Cancel]):
 
     def _call(self, callback: Callback, out: RequestOutput) -> None:
         """A failing callback (a client that went away mid-send) must not stop the loop for everyone."""
+        if self._first.pop(out.request_id, None) is not None:
+            with self._pending_lock:
+                self._pending -= 1
         try:
             callback(out)
         except Exception:

@@ -12,6 +12,11 @@ On the wire (``decode`` model, a control call like ``stop``): input ``kv_events_
 ``KVEventsQuery`` as JSON), output ``kv_events`` (a ``KVEventBatch`` as JSON). Block hashes are
 ``prefix_cache.block_hash`` of the engine's chained page keys; a router computes the same for a
 prompt from ``identity`` and ``block_size`` (``prefix_cache.root_key`` / ``chain_keys``).
+
+The answer is also the router's liveness probe of the node's loop: ``stalled_s`` is how long
+the loop's current pass has run (an idle loop passes every few milliseconds). It is answered on
+Triton's request thread, so a node whose loop is wedged still answers, and says so; a node
+whose stub is wedged does not answer, which the router reads the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from torch_engine.prefix_cache import EVENT_LOG, CacheEvents, KVEvent, KVEventKind
 
-EVENTS_VERSION = 1
+EVENTS_VERSION = 2  # 2: stalled_s
 
 
 class _Msg(BaseModel):
@@ -73,6 +78,7 @@ class KVEventBatch(_Msg):
     seq: int  # the last event's sequence number (the reader's next ``since``)
     events: list[Event] = Field(default_factory=list)
     snapshot: list[int] | None = None  # set: every block cached now (apply it instead of the events)
+    stalled_s: float = Field(default=0.0, ge=0)  # how long the node's serving loop has been in one pass
 
 
 def _wire(e: KVEvent) -> Event:
@@ -119,18 +125,18 @@ class KVEventLog:
                 self._seq += 1
                 self._events.append((self._seq, _wire(e)))
 
-    def since(self, query: KVEventsQuery) -> KVEventBatch:
+    def since(self, query: KVEventsQuery, stalled_s: float = 0.0) -> KVEventBatch:
         with self._lock:
             seq = self._seq
             fresh = query.instance == self.instance and self._floor <= query.seq <= seq
             kept = not self._events or self._events[0][0] <= query.seq + 1
             if fresh and kept:
                 events = [e for s, e in self._events if s > query.seq]
-                return self._batch(seq, events, None)
-            return self._batch(seq, [], sorted(self._blocks))
+                return self._batch(seq, events, None, stalled_s)
+            return self._batch(seq, [], sorted(self._blocks), stalled_s)
 
-    def _batch(self, seq: int, events: list[Event], snapshot: list[int] | None) -> KVEventBatch:
+    def _batch(self, seq: int, events: list[Event], snapshot: list[int] | None, stalled_s: float) -> KVEventBatch:
         return KVEventBatch(
             ts=time.time(), instance=self.instance, identity=self.identity, block_size=self.block_size, seq=seq,
-            events=events, snapshot=snapshot,
+            events=events, snapshot=snapshot, stalled_s=stalled_s,
         )  # fmt: skip

@@ -14,6 +14,13 @@ If a pass raises (a bug, a dead peer, a TP collective that timed out), ``fail_al
 the thread ends, so that no request waits on a loop that is gone, then ``on_fatal`` (servers make
 the process exit there: a node without its loop must not look alive to its supervisor).
 
+A loop that has not finished a pass for ``stall_s`` (a step that never returns: a wedged kernel,
+a peer that holds a collective) is wedged, not slow: a watchdog thread logs the loop thread's
+stack and calls ``on_fatal`` with ``LoopStalled``, so that the process ends and its supervisor
+restarts the group instead of leaving a node that answers probes but serves nothing.
+``stalled_s()`` (any thread) is how long the current pass has run; routers read it with every
+probe and take a group whose loop is stalled out of rotation long before the watchdog fires.
+
 ``on_report`` gets a ``LoopReport`` (pages, queues, and how many per-request records each
 structure holds) after every pass that stepped the engine and at least every
 ``report_interval_s`` otherwise, so gauges return to their idle values when the node goes idle.
@@ -23,8 +30,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +62,10 @@ class LoopReport:
 ReportHook = Callable[[LoopReport], None]
 
 
+class LoopStalled(RuntimeError):
+    """The loop did not finish a pass within its ``stall_s``."""
+
+
 class ServingLoop(ABC, Generic[ItemT]):
     """Subclasses implement ``_admit`` (one inbox item), ``_busy`` (engine work pending: do not
     sleep on the inbox), ``_wait_s`` (how long an idle pass waits for input), ``_work`` (the rest of
@@ -62,18 +75,35 @@ class ServingLoop(ABC, Generic[ItemT]):
 
     report_interval_s = 0.25
 
-    def __init__(self, on_exit: Callable[[], None] | None = None, on_report: ReportHook | None = None) -> None:
+    def __init__(
+        self,
+        on_exit: Callable[[], None] | None = None,
+        on_report: ReportHook | None = None,
+        stall_s: float | None = None,
+    ) -> None:
         self.on_exit = on_exit
         self.on_report = on_report
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.stall_s = stall_s  # None: no watchdog
         self._stepped = False  # the last pass ran an engine step (set by subclasses)
         self._reported_at = 0.0
+        self._pass_ended = time.monotonic()
         self._inbox: queue.Queue[ItemT] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True)
 
     def _start(self) -> None:
+        self._pass_ended = time.monotonic()
         self._thread.start()
+        if self.stall_s is not None:
+            self._watchdog.start()
+
+    def stalled_s(self) -> float:
+        """How long the pass in progress has run (any thread; an idle loop passes every few ms)."""
+        if not self._thread.is_alive():
+            return 0.0
+        return max(time.monotonic() - self._pass_ended, 0.0)
 
     def _put(self, item: ItemT) -> None:
         self._inbox.put(item)
@@ -94,6 +124,7 @@ class ServingLoop(ABC, Generic[ItemT]):
                 self._drain()
                 self._work()
                 self._maybe_report()
+                self._pass_ended = time.monotonic()
         except Exception as exc:  # a bug or a dead peer: no request may hang on a loop that is gone
             log.exception("the %s stopped", self.name)
             self._fail_all(f"{self.name} stopped: {exc}")
@@ -103,6 +134,19 @@ class ServingLoop(ABC, Generic[ItemT]):
         finally:
             if self.on_exit is not None:
                 self.on_exit()
+
+    def _watch(self) -> None:
+        assert self.stall_s is not None
+        while not self._stop.wait(min(1.0, self.stall_s / 4)):
+            stalled = self.stalled_s()
+            if stalled <= self.stall_s:
+                continue
+            frame = sys._current_frames().get(self._thread.ident or -1)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+            log.error("the %s has not finished a pass for %.0f s; it is at:\n%s", self.name, stalled, where)
+            if self.on_fatal is not None:
+                self.on_fatal(LoopStalled(f"the {self.name} has not finished a pass for {stalled:.0f} s"))
+            return
 
     def _drain(self) -> None:
         """Admit everything in the inbox; wait for the first item only when there is nothing to do."""

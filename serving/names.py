@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+OVERLOADED = "overloaded: "  # starts every error a node answers to shed load (the request may succeed elsewhere)
+
 
 class Model(enum.StrEnum):
     """Models of the repository (``model_repo/``)."""

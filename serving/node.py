@@ -36,8 +36,13 @@ def _tracer(node: NodeConfig) -> Tracer | None:
 def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[DecodeLoop, Tracer | None]:
     """The engine loop of a decode (or colocated) group leader, and its tracer."""
     tracer = _tracer(node)
+    pending, t = node.limits.max_pending, node.timeouts
     if node.mpi_rank is None:
-        return DecodeLoop(LLMEngine(node.engine), on_report=on_report), tracer
+        loop = DecodeLoop(
+            LLMEngine(node.engine), on_report=on_report, max_pending=pending, first_token_s=t.first_token_s,
+            stall_s=t.loop_stall_s,
+        )  # fmt: skip
+        return loop, tracer
     rank = bootstrap(node)
     if tracer is not None:
         rank.engine.attach(TraceObserver(tracer))
@@ -46,7 +51,6 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
     if node.role is Role.DECODE:
         side = rank.decode_side()
         groups = rank.prefill_groups()
-        t = node.timeouts
         kv = KVFetcher(
             rank.engine,
             side,
@@ -66,14 +70,19 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
             kv.close()
 
     heartbeat = (lambda: channel.sync(False)) if kv is None and channel.tp.size > 1 else None  # colocated TP
-    return DecodeLoop(rank.engine, on_report=on_report, kv=kv, on_exit=on_exit, heartbeat=heartbeat), tracer
+    loop = DecodeLoop(
+        rank.engine, on_report=on_report, kv=kv, on_exit=on_exit, heartbeat=heartbeat, max_pending=pending,
+        first_token_s=t.first_token_s, stall_s=t.loop_stall_s,
+    )  # fmt: skip
+    return loop, tracer
 
 
 def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None, on_report: ReportHook | None = None) -> PrefillLoop:
     if node.mpi_rank is None:
         engine = LLMEngine(node.engine, load_tokenizer=False)
         transport = NixlTransport(node.agent_name, node.transport.backend)
-        return PrefillLoop.standalone(engine, transport, on_done=on_done, on_report=on_report)
+        stall_s = node.timeouts.loop_stall_s
+        return PrefillLoop.standalone(engine, transport, on_done=on_done, on_report=on_report, stall_s=stall_s)
     rank = bootstrap(node)
     assert rank.channel is not None
     side, tracer = rank.prefill_side(), _tracer(node)
@@ -87,6 +96,7 @@ def prefill_loop(node: NodeConfig, on_done: DoneHook | None = None, on_report: R
         tracer=tracer,
         on_report=on_report,
         membership=rank.membership(Role.DECODE),
+        stall_s=node.timeouts.loop_stall_s,
     )
 
 

@@ -27,6 +27,12 @@ class _Frozen(BaseModel):
 
 class RequestLimits(_Frozen):
     max_tokens: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask for")
+    max_pending: int = Field(
+        default=256,
+        ge=1,
+        description="requests a decode / colocated node holds before their first token (queued, waiting for pages "
+        "or KV); one more is refused at once as overloaded (routers answer 503 + Retry-After or try another group)",
+    )
 
 
 FENCE_MARGIN_S = 5.0  # a fence outlasts the prefill job's deadline by at least this
@@ -55,6 +61,18 @@ class RequestTimeouts(_Frozen):
         description="one TP-group broadcast / gather (idle groups heartbeat every second): a stuck rank fails the "
         "group instead of wedging it",
     )
+    first_token_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a request still without its first token this long after it reached a decode / colocated node "
+        "is aborted as overloaded (bounded queueing); more than kv_transfer_s",
+    )
+    loop_stall_s: float = Field(
+        default=360.0,
+        gt=0,
+        description="a serving loop that has not finished a pass for this long is wedged: the process exits and its "
+        "group is restarted; more than tp_collective_s (a stuck TP peer fails the group first)",
+    )
 
     @model_validator(mode="after")
     def _fence_outlasts_the_job(self) -> RequestTimeouts:
@@ -63,6 +81,17 @@ class RequestTimeouts(_Frozen):
                 f"timeouts.fence_grace_s ({self.fence_grace_s} s) must be at least timeouts.kv_transfer_s "
                 f"({self.kv_transfer_s} s) + {FENCE_MARGIN_S:.0f} s: a prefill job may still write until its deadline, "
                 "so a shorter grace could hand out pages a late write then lands in"
+            )
+        if self.first_token_s <= self.kv_transfer_s:
+            raise ValueError(
+                f"timeouts.first_token_s ({self.first_token_s} s) must be more than timeouts.kv_transfer_s "
+                f"({self.kv_transfer_s} s): a request whose KV is on the way would be aborted before its transfer "
+                "could fail over"
+            )
+        if self.loop_stall_s <= self.tp_collective_s:
+            raise ValueError(
+                f"timeouts.loop_stall_s ({self.loop_stall_s} s) must be more than timeouts.tp_collective_s "
+                f"({self.tp_collective_s} s): a step waiting on a stuck TP peer fails the group by that deadline"
             )
         return self
 

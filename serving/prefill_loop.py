@@ -47,8 +47,9 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         tracer: Tracer | None = None,
         on_report: ReportHook | None = None,
         membership: Membership | None = None,
+        stall_s: float | None = None,
     ) -> None:
-        super().__init__(on_exit, on_report)
+        super().__init__(on_exit, on_report, stall_s)
         self.engine = engine
         self.membership = membership  # decode groups coming back (a deployment's registry): connect them
         self.on_done = on_done
@@ -70,11 +71,13 @@ class PrefillLoop(ServingLoop[PrefillRequest]):
         transport: Transport,
         on_done: DoneHook | None = None,
         on_report: ReportHook | None = None,
+        stall_s: float | None = None,
     ) -> PrefillLoop:
         """A TP-1 prefill node whose decode peers connect by ``handshake``."""
         kv = engine.kv_export()
         local = PrefillSide(transport, engine_layout(kv), kv.pools, kv.progress, metadata_bytes(kv))
-        return cls(engine, GroupPrefillSide(local, GroupChannel(engine)), on_done=on_done, on_report=on_report)
+        side = GroupPrefillSide(local, GroupChannel(engine))
+        return cls(engine, side, on_done=on_done, on_report=on_report, stall_s=stall_s)
 
     def handshake(self, decode_ranks: list[RankEndpoint]) -> RankEndpoint:
         self.side.connect(decode_ranks)

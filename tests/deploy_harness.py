@@ -56,13 +56,16 @@ def grpc_url(launch: Launch, decode_group: int = 0) -> str:
     return f"{launch.cfg.bind}:{leader.ports.grpc}"
 
 
-def run_ids(url: str, prompts: list[list[int]], max_tokens: int, tag: str = "r") -> list[Completion]:
-    """Concurrent token-id requests to one decode group's ``decode`` model."""
+def run_ids(
+    url: str, prompts: list[list[int]], max_tokens: int, tag: str = "r", key: str | None = None
+) -> list[Completion]:
+    """Concurrent token-id requests to one decode group's ``decode`` model (``key``: a locked-down
+    deployment's secret)."""
 
     async def go() -> list[Completion]:
         client = aioclient.InferenceServerClient(url)
         try:
-            jobs = [generate_ids(client, p, max_tokens, f"{tag}{i}") for i, p in enumerate(prompts)]
+            jobs = [generate_ids(client, p, max_tokens, f"{tag}{i}", key=key) for i, p in enumerate(prompts)]
             return list(await asyncio.gather(*jobs))
         finally:
             await client.close()

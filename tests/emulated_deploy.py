@@ -51,14 +51,16 @@ def main() -> int:
         launch.wait_ready()
         assert launch.prepared is not None
         decode = next(ld for ld in launch.prepared.leaders if ld.slot.name == "decode0.tp0")
-        got = run_ids(f"{decode.address}:{decode.ports.grpc}", prompts, a.max_tokens)
+        got = run_ids(f"{decode.address}:{decode.ports.grpc}", prompts, a.max_tokens, key=launch.auth_key)
         out["tokens"] = [c.token_ids for c in got]
         out["errors"] = [c.error for c in got]
         out["leaders"] = {ld.slot.name: ld.address for ld in launch.prepared.leaders}
         if a.kill is not None:
             url = f"{decode.address}:{decode.ports.grpc}"
             load: list[Completion] = []
-            thread = threading.Thread(target=lambda: load.extend(run_ids(url, prompts * 3, a.max_tokens, "load")))
+            thread = threading.Thread(
+                target=lambda: load.extend(run_ids(url, prompts * 3, a.max_tokens, "load", launch.auth_key))
+            )
             thread.start()
             time.sleep(0.3)
             victims = run_processes(launch.run_id, a.kill)  # one PID namespace: the emulated hosts' too
@@ -75,12 +77,12 @@ def main() -> int:
             out["load_tokens"] = [c.token_ids for c in load]
             out["load_errors"] = [c.error for c in load]
             out["events"] = launch.events
-            again = run_ids(url, prompts, a.max_tokens, "again")
+            again = run_ids(url, prompts, a.max_tokens, "again", launch.auth_key)
             out["again_tokens"] = [c.token_ids for c in again]
             leader = next(ld for ld in launch.prepared.leaders if ld.slot.name == f"{a.kill}.tp0")
             served = 0.0
             for _ in range(20):  # eight at once: the router spreads them by load
-                run_ids(url, prompts, 2, "spread")
+                run_ids(url, prompts, 2, "spread", launch.auth_key)
                 served = served_requests(f"{leader.address}:{leader.ports.metrics}", "prefill")
                 if served:
                     break

@@ -86,7 +86,7 @@ def test_the_router_answers_429_with_retry_after_and_serves_the_rest(smollm2_dir
         await asyncio.sleep(0.3)
         yield Piece((ids[-1],), 0, 1, "length")
 
-    monkeypatch.setattr(generation.upstream, "stream", lambda c, ids, s, rid, t: slow(ids, s))
+    monkeypatch.setattr(generation.upstream, "stream", lambda c, ids, s, rid, *_: slow(ids, s))
     spec = RouterSpec(port=1, max_in_flight=1, max_queued=1, queue_timeout_s=5.0)
     cfg = RouterConfig(spec=spec, model_name="smollm2", engine_dir=smollm2_dir,
                        groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")])  # fmt: skip

@@ -96,6 +96,16 @@ def test_binding_every_interface_is_said_and_warned(tiny_engine_dir, tmp_path: P
     assert launch.auth_key is not None  # not loopback: locked down
 
 
+def test_a_router_reachable_off_loopback_needs_its_key(tiny_engine_dir) -> None:
+    d = str(tiny_engine_dir("llama"))
+    base = {"bind": "0.0.0.0", "prefill": {"engine_dir": d}, "decode": {"engine_dir": d}}
+    with pytest.raises(ConfigError, match=r"router.api_key is needed: the router listens on 0.0.0.0"):
+        ClusterConfig.parse(base)
+    assert ClusterConfig.parse(base | {"router": {"api_key": "k"}}).router.api_key == "k"
+    assert not ClusterConfig.parse(base | {"security": {"restrict": "off"}}).restricted  # open, on purpose
+    assert ClusterConfig.parse(base | {"bind": "127.0.0.1"}).router.api_key is None  # loopback: no key needed
+
+
 @pytest.mark.parametrize(
     ("fields", "problem"),
     [

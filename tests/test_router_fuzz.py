@@ -39,7 +39,7 @@ class Client:
     """The router on its own event loop, for synchronous hypothesis tests."""
 
     def __init__(self, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(generation.upstream, "stream", lambda c, ids, s, rid, t: short(str(c), ids, s))
+        monkeypatch.setattr(generation.upstream, "stream", lambda c, ids, s, rid, *_: short(str(c), ids, s))
         cfg = RouterConfig(spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
                            groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")])  # fmt: skip
         self.loop = asyncio.new_event_loop()

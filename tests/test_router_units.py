@@ -41,7 +41,7 @@ async def refuses(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerato
 def run(
     smollm2_dir: Path, scripts: dict[str, Script], monkeypatch: pytest.MonkeyPatch, body: dict[str, object]
 ) -> tuple[int, str, dict[str, Group]]:
-    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, timeout_s: float) -> Any:
+    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, *_: object) -> Any:
         return scripts[str(client)](str(client), ids, s)
 
     monkeypatch.setattr(generation.upstream, "stream", fake_stream)

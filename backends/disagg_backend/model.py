@@ -178,7 +178,8 @@ class Decode(_Role):
             query = codecs.events_query(get)
             if query is not None:
                 assert self.events is not None
-                sender.send(_response(codecs.encode_events(self.events.since(query))), flags=FINAL)
+                batch = self.events.since(query, self.loop.stalled_s())  # also the router's liveness probe
+                sender.send(_response(codecs.encode_events(batch)), flags=FINAL)
                 return
             call = codecs.parse_decode(get, self.node.limits.max_tokens)
         except InvalidRequestError as exc:  # answered on this request's stream; the others go on

@@ -44,7 +44,7 @@ def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tmp_path_factory.mktemp("router"),
         prefill={"count": 1, **groups},
         decode={"count": 2, **groups},
-        router={"enabled": True, "port": free_port(), "api_key": KEY},
+        router={"enabled": True, "port": free_port(), "api_key": KEY, "stall_timeout_s": 3, "probe_timeout_s": 2},
     )
     with deployed(cfg) as launch:
         yield launch
@@ -494,6 +494,66 @@ def test_the_serving_benchmark_drives_the_router_and_request_ids_reach_the_trace
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["X-Request-Id"] == "my-id-1"
+
+
+def test_a_hung_decode_group_is_given_up_and_taken_back(deployment: Launch, engine: LLMEngine) -> None:
+    """Every process of decode group 1 stopped (SIGSTOP: its ports still accept connections, nothing
+    answers: a wedged node, not a dead one) while requests run through the router. The probes find it
+    silent, take it out of rotation and, after ``stall_timeout_s``, give up the requests waiting on it:
+    each is retried on decode group 0 and every request gets the engine's text, none waits out the
+    600 s request deadline. Resumed (SIGCONT), the group comes back into rotation and serves again."""
+    prompts = [f"Name {i} colours:" for i in range(8)]
+    want = [w[0] for w in _want(engine, prompts, chat=False, max_tokens=8)]
+    pids = list(run_processes(deployment.run_id, "decode1"))
+    assert pids
+    client = openai.AsyncOpenAI(base_url=_base(deployment), api_key=KEY, max_retries=0, timeout=120)
+    base = _base(deployment).removesuffix("/v1")
+
+    async def one(p: str) -> str:
+        r = await client.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
+        return r.choices[0].text
+
+    async def while_stopped() -> tuple[list[str], float]:
+        try:
+            t0 = time.monotonic()
+            got = list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=90))
+            return got, time.monotonic() - t0
+        finally:
+            await client.close()
+
+    before = _served(deployment).get("decode1", 0.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        got, seconds = asyncio.run(while_stopped())
+        health = _get(f"{base}/health")[1]
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert got == want, got
+    assert _served(deployment).get("decode1", 0.0) > before  # some were sent to the stopped group first
+    assert isinstance(health, dict) and not health["groups"]["decode1"]["up"]  # type: ignore[index]
+    assert seconds < 60
+    deadline = time.monotonic() + 60
+    while not _get(f"{base}/health")[1]["groups"]["decode1"]["up"]:  # type: ignore[index]
+        assert time.monotonic() < deadline, _get(f"{base}/health")
+        time.sleep(0.5)
+    served = _served(deployment).get("decode1", 0.0)
+
+    async def spread() -> list[str]:
+        again = openai.AsyncOpenAI(base_url=_base(deployment), api_key=KEY, max_retries=0, timeout=120)
+
+        async def short(p: str) -> str:
+            r = await again.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
+            return r.choices[0].text
+
+        try:  # at once: the router spreads them by outstanding tokens
+            return list(await asyncio.gather(*(short(p) for p in prompts)))
+        finally:
+            await again.close()
+
+    assert asyncio.run(spread()) == want
+    assert _served(deployment).get("decode1", 0.0) > served  # back in rotation, serving
 
 
 def test_a_dead_decode_group_leaves_the_router_and_comes_back(deployment: Launch, engine: LLMEngine) -> None:

@@ -1,6 +1,7 @@
 """A locked-down deployment (``security.restrict``; on by default off loopback): Triton's model
-repository protocol on every node and the inference protocol on prefill nodes answer only calls that
-carry the deployment's key, which its own callers (decode -> prefill) send."""
+repository and inference protocols on every node answer only calls that carry the deployment's key,
+which its own callers (decode -> prefill, the router -> decode) send; a client without it can neither
+generate on a decode node nor stop another client's request there."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_restricted_protocols_need_the_deployment_key(tiny_engine_dir, tmp_path:
     prompts = [prompt_of(n, n) for n in (5, 17, 33)]
     with deployed(cfg) as launch:
         assert launch.prepared is not None and launch.auth_key is not None
-        got = run_ids(grpc_url(launch), prompts, 6)  # the decode node's prefill calls carry the key
+        got = run_ids(grpc_url(launch), prompts, 6, key=launch.auth_key)  # its prefill calls carry the key too
         assert [c.token_ids for c in got] == tiny_engine(engine_dir).generate(prompts, SamplingParams(max_tokens=6))
         secret = launch.run_dir / "secret"
         assert secret.read_text().strip() == launch.auth_key and stat.S_IMODE(secret.stat().st_mode) == 0o600
@@ -49,7 +50,8 @@ def test_restricted_protocols_need_the_deployment_key(tiny_engine_dir, tmp_path:
         _model_control_refused(decode.ports.grpc, decode.ports.http, decode.models[0], launch.auth_key)
         _model_control_refused(prefill.ports.grpc, prefill.ports.http, Model.PREFILL, launch.auth_key)
         _prefill_request_refused(launch, prefill.ports.grpc, prefill.ports.metrics)
-        again = run_ids(grpc_url(launch), prompts[:1], 6)  # still serving
+        _decode_inference_refused(grpc_url(launch))
+        again = run_ids(grpc_url(launch), prompts[:1], 6, key=launch.auth_key)  # still serving
         assert again[0].token_ids == got[0].token_ids
 
 
@@ -69,6 +71,24 @@ def _model_control_refused(grpc_port: int, http_port: int, model: str, key: str)
         assert client.is_model_ready(model)  # nothing was unloaded
         index = client.get_model_repository_index(headers={GRPC_AUTH_HEADER: key})  # the key opens it
         assert any(m.name == model for m in index.models)
+    finally:
+        client.close()
+
+
+def _decode_inference_refused(url: str) -> None:
+    """Without the key, or with a wrong one, a client can neither generate on the decode node (the
+    ``llm`` ensemble, ``decode``) nor ``stop`` live requests there by guessing their ids: Triton
+    refuses the call before it reaches a model (the inference protocol is restricted)."""
+    client = grpcclient.InferenceServerClient(url)
+    stop = grpcclient.InferInput(Tensor.STOP, [1], "BOOL")
+    stop.set_data_from_numpy(np.array([True]))
+    text = grpcclient.InferInput(Tensor.TEXT_INPUT, [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    try:
+        for headers in (None, {GRPC_AUTH_HEADER: "wrong"}):
+            for model, inputs in ((Model.DECODE, [stop]), (Model.LLM, [text])):
+                with pytest.raises(InferenceServerException, match=r"(?i)restricted|unauthorized|permission"):
+                    client.infer(model, inputs, request_id="r0", headers=headers)
     finally:
         client.close()
 
