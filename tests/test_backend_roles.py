@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from serving.names import BackendRole, Tensor
-from serving.node_config import NODE_CONFIG_ENV, NodeConfig
+from serving.names import OVERLOADED, BackendRole, Tensor
+from serving.node_config import NODE_CONFIG_ENV, NodeConfig, RequestLimits
 from serving.prefill_client import refusal
-from torch_engine.config import EngineConfig
+from torch_engine.config import EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -196,3 +196,52 @@ def test_prefill_role_refuses_bad_calls(backend, tiny_engine_dir, tmp_path, monk
         assert prefill.role.loop.live() == 0
     finally:
         prefill.finalize()
+
+
+class EnsembleRequest:
+    """What the ``ensemble`` adapter reads of a request: its id, sender and tensors (none here)."""
+
+    def __init__(self, request_id: str) -> None:
+        self._id, self.sender = request_id, FakeSender()
+
+    def request_id(self) -> str:
+        return self._id
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+    def inputs(self) -> list[Any]:
+        return []
+
+
+def test_the_ensemble_adapter_sheds_what_the_node_could_not_hold(backend, tiny_engine_dir, tmp_path, monkeypatch):
+    """One thread per ``ensemble`` request (its BLS call blocks), at most ``max_pending + max_num_seqs``
+    of them: the next is refused at once as overloaded, and room comes back as requests end."""
+    release = threading.Event()
+
+    class BlockingBLS:
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def exec(self, decoupled: bool) -> Iterator[Any]:
+            release.wait(30)
+            return iter([])
+
+    monkeypatch.setattr(backend.pb_utils, "InferenceRequest", BlockingBLS, raising=False)
+    engine = EngineConfig(engine_dir=tiny_engine_dir("llama"), scheduler=SchedulerConfig(max_num_seqs=2))
+    node = NodeConfig(engine=engine, limits=RequestLimits(max_pending=1))
+    adapter = _model(backend, BackendRole.BATCH_ADAPTER, node, tmp_path, monkeypatch)
+    held = [EnsembleRequest(f"r{i}") for i in range(3)]
+    extra = EnsembleRequest("r3")
+    adapter.execute([*held, extra])
+    assert extra.sender.done.wait(5)
+    ((response, flags),) = extra.sender.sent
+    assert flags == FINAL and response is not None and response.error is not None
+    assert response.error.message.startswith(OVERLOADED) and "max_pending + max_num_seqs" in response.error.message
+    assert not any(r.sender.done.is_set() for r in held)
+    release.set()
+    for r in held:
+        assert r.sender.done.wait(10) and r.sender.sent == [(None, FINAL)]
+    again = EnsembleRequest("r4")
+    adapter.execute([again])  # room came back
+    assert again.sender.done.wait(10) and again.sender.sent == [(None, FINAL)]

@@ -43,7 +43,7 @@ from serving.codecs import DecodePiece
 from serving.decode_loop import DecodeLoop
 from serving.kv_events import KVEventLog
 from serving.loop import LoopReport
-from serving.names import BackendRole, Model, Tensor
+from serving.names import OVERLOADED, BackendRole, Model, Tensor
 from serving.node import decode_loop, prefill_loop
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig, group_name
 from serving.prefill_client import refusal
@@ -248,15 +248,28 @@ class Decode(_Role):
 
 
 class BatchAdapter(_Role):
-    """``ensemble``: strip the batch dimension, stream the request through ``llm`` (BLS), put it back."""
+    """``ensemble``: strip the batch dimension, stream the request through ``llm`` (BLS), put it back.
+    One thread per request (BLS blocks), at most as many as the node can hold: the rest are shed."""
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
         self._ids = itertools.count()
+        self._room = threading.BoundedSemaphore(node.limits.max_pending + node.engine.scheduler.max_num_seqs)
 
     def execute(self, requests: list[Request]) -> None:
         for request in requests:
-            threading.Thread(target=self.serve, args=(request,), daemon=True, name="ensemble-request").start()
+            if not self._room.acquire(blocking=False):
+                held = self.node.limits.max_pending + self.node.engine.scheduler.max_num_seqs
+                shed = f"{OVERLOADED}{held} ensemble requests are in flight here (max_pending + max_num_seqs)"
+                request.get_response_sender().send(_error(shed), flags=FINAL)
+                continue
+            threading.Thread(target=self._serve, args=(request,), daemon=True, name="ensemble-request").start()
+
+    def _serve(self, request: Request) -> None:
+        try:
+            self.serve(request)
+        finally:
+            self._room.release()
 
     def serve(self, request: Request) -> None:
         sender = request.get_response_sender()
