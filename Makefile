@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-setup
 
-.PHONY: setup serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer bench-spec plan-seeds mtp-head image image-test clean
+.PHONY: setup clients serve test test-fast lint typecheck bench bench-peers bench-engine bench-transfer bench-spec plan-seeds mtp-head image image-test clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,25 @@ $(STAMP): pyproject.toml Makefile $(wildcard torch_engine/csrc/*.cpp)
 serve: setup
 	$(VENV)/bin/disagg launch configs/serve.yaml --demo "What is the capital of France? Answer in one sentence."
 
+# Benchmark clients our users run against OpenAI-compatible servers, each in its own venv (CPU torch from
+# this machine's wheel first, so that none pulls a CUDA build): tests/e2e/test_real_clients.py runs them
+# against a real deployment. An install that fails is said, and those tests skip naming it.
+CLIENTS := .venv-clients
+CLIENT_PINS := aiperf==0.13.0 guidellm==0.8.1
+
+clients: $(CLIENTS)/.stamp
+
+$(CLIENTS)/.stamp: Makefile
+	for pin in $(CLIENT_PINS); do \
+	  tool=$${pin%%==*}; \
+	  { test -x $(CLIENTS)/$$tool/bin/python || $(PYTHON) -m venv $(CLIENTS)/$$tool; } && \
+	  $(CLIENTS)/$$tool/bin/python -m pip install -q torch==2.13.0 $$pin \
+	  || echo "$$pin not installed: the tests that run it will skip"; \
+	done
+	touch $@
+
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
-test: setup
+test: setup clients
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
