@@ -283,6 +283,8 @@ class KVFetcher:
             return [(rid, message)]
         p.group = g
         p.tried.add(g)
+        if self.tracer is not None:
+            self.tracer.mark(rid, "moved", moves=len(p.tried) - 1)  # its first move's time, and how many
         agents = self.groups[g].agents
         if maybe_taken:
             moved = self.link.failover(rid, agents)  # None: waits for the fence (or landed)

@@ -1,7 +1,8 @@
 """Per-request server-side timestamps, one JSON line per request (for the serving benchmark).
 
 Decode nodes mark ``arrived`` / ``sent`` / ``kv_ready`` / ``scheduled`` / ``first_token`` /
-``finished``; prefill nodes mark ``received`` / ``scheduled`` / ``prefilled`` / ``kv_sent``
+``finished`` (and ``moved`` with ``moves`` when a failed prefill group's request went to another);
+prefill nodes mark ``received`` / ``scheduled`` / ``prefilled`` / ``kv_sent``
 (``scheduled``: the first engine step the request takes part in). Times are wall-clock seconds
 (``time.time()``) so that lines written by different processes can be joined by request id.
 """

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import tritonclient.grpc.aio as aioclient
 
 from orchestrator.client import Completion, generate_ids
 from orchestrator.cluster import ClusterConfig
-from orchestrator.launch import Launch, run_processes
+from orchestrator.launch import JobState, Launch, run_processes
+from serving.trace import read_trace
 from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
 from tests.helpers import prompt_of, tiny_engine
 from torch_engine.sampling import SamplingParams
@@ -249,3 +251,68 @@ def test_a_stuck_tp_rank_fails_its_group_instead_of_wedging_it(tiny_engine_dir, 
                 os.kill(follower, signal.SIGCONT)
         launch.stop()
     assert run_processes(launch.run_id) == {}
+
+
+def test_decode_tp2_fails_over_when_a_prefill_group_dies_under_load(tiny_engine_dir, tmp_path: Path) -> None:
+    """A decode group of two TP ranks, two prefill groups, real NIXL/UCX between the processes: every
+    process of prefill group 1 killed while 240 requests run (16 at a time). The requests it held move
+    to prefill group 0 under a new epoch (fresh pages; both decode ranks must report the new epoch's KV
+    before it runs — a stale "ready" of the abandoned one would give wrong tokens). Each request completes with the TP-1
+    engine's tokens or ends with a clear error, some really moved (the decode leader's trace marks
+    them), and afterwards nothing is held and the restarted group serves again."""
+    one, two = tiny_engine_dir("llama"), tiny_engine_dir("llama", 2)
+    rng = random.Random(13)
+    prompts = [prompt_of(rng.randrange(24, 90), 900 + i) for i in range(240)]
+    want = tiny_engine(one).generate(prompts, SamplingParams(max_tokens=8))
+    cfg = cluster(
+        tmp_path, mode="disaggregated", page_size=4, scheduler=SCHED,
+        prefill={"count": 2, "tp": 1, "engine_dir": str(one), "num_pages": 256},
+        decode={"count": 1, "tp": 2, "engine_dir": str(two), "num_pages": 256},
+        timeouts={"startup_s": 240, "kv_transfer_s": 20, "prefill_request_s": 5, "shutdown_s": 20,
+                  "prefill_tombstone_s": 5},
+    )  # fmt: skip
+    with deployed(cfg) as launch:
+        url = grpc_url(launch)
+        assert run_ids(url, prompts[:2], 8)[0].token_ids == want[0]  # both prefill groups connected, warm
+        jobs = [(f"tp2-{i}", p, 8, None) for i, p in enumerate(prompts)]
+        results: dict[str, object] = {}
+
+        def load() -> None:
+            results.update(run_storm(url, jobs, 16))
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        time.sleep(0.3)
+        victims = run_processes(launch.run_id, "prefill1")
+        assert victims
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=180)
+        assert not thread.is_alive(), "a request hung"
+        ok = 0
+        for i, (rid, _, _, _) in enumerate(jobs):
+            out = results[rid]
+            assert isinstance(out, Completion), (rid, out)
+            if out.error is None:
+                assert out.token_ids == want[i], rid
+                ok += 1
+            else:
+                assert "prefill" in out.error or "KV" in out.error, out.error
+        assert ok >= len(jobs) // 2, f"{ok} of {len(jobs)} completed"
+        trace = launch.run_dir / "traces" / "decode0.tp0.jsonl"
+        deadline = time.monotonic() + 30
+        moved: list[dict[str, object]] = []
+        while not moved and time.monotonic() < deadline:
+            moved = [r for r in read_trace(trace) if "moved" in r]
+            time.sleep(0.5)
+        assert moved, "no request moved to the other prefill group: the kill came too late to test a failover"
+        job = launch.jobs["prefill1"]
+        deadline = time.monotonic() + 180
+        while not (job.state is JobState.UP and job.generation == 1):
+            assert launch.check() is None, launch.events
+            assert time.monotonic() < deadline, launch.events
+            time.sleep(0.2)
+        again = run_ids(url, prompts[:8], 8, "again")
+        assert [c.token_ids for c in again] == want[:8]
+        wait_idle(launch, timeout_s=60)
+        assert leftovers(launch) == {}
