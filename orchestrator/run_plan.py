@@ -247,7 +247,14 @@ class Renderer:
             env["UCX_TLS"] = net.ucx_transports
         if net.interface is not None:
             env["UCX_NET_DEVICES"] = net.interface
+        elif self.loopback_only:
+            env["UCX_NET_DEVICES"] = "lo"  # NIXL's UCX listens on loopback only
         return env
+
+    @property
+    def loopback_only(self) -> bool:
+        """One host, bound to loopback: nothing of the deployment need listen on another interface."""
+        return self.cfg.loopback and not self.cfg.multi_host and self.cfg.network.interface is None
 
     def mpi_flags(self, env: dict[str, str]) -> list[str]:
         flags = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--output", "tag"]
@@ -256,6 +263,8 @@ class Renderer:
             flags += ["--prtemca", "plm_ssh_agent", net.launch_agent]
         if net.interface is not None:
             flags += ["--prtemca", "oob_tcp_if_include", net.interface, "--mca", "btl_tcp_if_include", net.interface]
+        elif self.loopback_only:  # MPI between a group's ranks by shared memory: no TCP listener on every interface
+            flags += ["--mca", "btl", "self,sm", "--mca", "pml", "ob1"]
         if self.cfg.hosts:
             flags += ["--hostfile", str(self.run_dir / "hostfile")]
         for key in env:

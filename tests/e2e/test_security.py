@@ -5,6 +5,7 @@ generate on a decode node nor stop another client's request there."""
 
 from __future__ import annotations
 
+import ipaddress
 import stat
 import time
 import urllib.error
@@ -17,10 +18,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from kv_messenger.protocol import PrefillRequest
-from orchestrator.launch import Launch
+from orchestrator.launch import Launch, run_processes
 from serving.names import Model, Tensor
 from serving.node_config import AUTH_HEADER, GRPC_AUTH_HEADER
-from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
+from tests.deploy_harness import cluster, deployed, grpc_url, listening, run_ids
 from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import Role
 from torch_engine.sampling import SamplingParams
@@ -52,6 +53,9 @@ def test_restricted_protocols_need_the_deployment_key(tiny_engine_dir, tmp_path:
         _prefill_request_refused(launch, prefill.ports.grpc, prefill.ports.metrics)
         _decode_inference_refused(grpc_url(launch))
         again = run_ids(grpc_url(launch), prompts[:1], 6, key=launch.auth_key)  # still serving
+        ranks = list(run_processes(launch.run_id))
+        exposed = [(pid, a, port) for pid, a, port in listening(ranks) if not loopback(a)]
+        assert not exposed, f"bound to loopback, yet listening on another address: {exposed}"  # MPI, UCX, Triton
         assert again[0].token_ids == got[0].token_ids
 
 
@@ -73,6 +77,12 @@ def _model_control_refused(grpc_port: int, http_port: int, model: str, key: str)
         assert any(m.name == model for m in index.models)
     finally:
         client.close()
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _decode_inference_refused(url: str) -> None:
