@@ -274,7 +274,7 @@ def test_decode_tp2_fails_over_when_a_prefill_group_dies_under_load(tiny_engine_
     with deployed(cfg) as launch:
         url = grpc_url(launch)
         assert run_ids(url, prompts[:2], 8)[0].token_ids == want[0]  # both prefill groups connected, warm
-        jobs = [(f"tp2-{i}", p, 8, None) for i, p in enumerate(prompts)]
+        jobs: list[tuple[str, list[int], int, float | None]] = [(f"tp2-{i}", p, 8, None) for i, p in enumerate(prompts)]
         results: dict[str, object] = {}
 
         def load() -> None:
