@@ -47,9 +47,14 @@ class Completion:
 
 
 def llm_inputs(
-    prompt: str, max_tokens: int, stream: bool = True, chat: bool = False, ignore_eos: bool = False
+    prompt: str,
+    max_tokens: int,
+    stream: bool = True,
+    chat: bool = False,
+    ignore_eos: bool = False,
+    cache_salt: str | None = None,
 ) -> list[object]:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, cache_salt=cache_salt)
     return client_inputs(SIGNATURES[Model.LLM], encode_llm(prompt, params, stream, chat))
 
 
@@ -71,12 +76,14 @@ async def generate(
     on_piece: Callable[[str], None] | None = None,
     ignore_eos: bool = False,
     key: str | None = None,
+    cache_salt: str | None = None,
 ) -> Completion:
     """Stream one completion from ``llm``; every non-empty text piece is timestamped on arrival.
-    ``key``: the deployment's secret (``RUN_DIR/secret``) where its nodes restrict inference."""
+    ``key``: the deployment's secret (``RUN_DIR/secret``) where its nodes restrict inference;
+    ``cache_salt``: share cached KV only with requests of the same salt."""
     req = {
         "model_name": Model.LLM.value,
-        "inputs": llm_inputs(prompt, max_tokens, True, chat, ignore_eos),
+        "inputs": llm_inputs(prompt, max_tokens, True, chat, ignore_eos, cache_salt),
         "request_id": request_id,
         "enable_empty_final_response": True,
     }
@@ -144,10 +151,20 @@ async def complete_via_router(
     ignore_eos: bool = False,
     api_key: str | None = None,
     timeout_s: float = 600.0,
+    cache_salt: str | None = None,
 ) -> Completion:
     """One streamed greedy text completion through the router (``X-Request-Id`` names it on the decode node)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return await _via_router(f"{base_url}/completions", body, request_id, api_key, None, timeout_s)
 
 

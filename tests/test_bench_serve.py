@@ -75,3 +75,33 @@ def test_workloads_are_seeded_and_shaped(smollm2_dir: Path) -> None:
     arr = poisson_arrivals(200, 2.0, seed=3)
     assert arr == poisson_arrivals(200, 2.0, seed=3) and arr[0] == 0.0
     assert 60 < arr[-1] < 140  # ~200 arrivals at 2/s
+
+
+def test_each_point_salts_its_requests_so_no_point_reads_another_ones_cache(monkeypatch) -> None:
+    """The same prompts are replayed at every rate (and in the idle baseline): with the prefix cache on,
+    a later point would measure cache hits, not prefill. Each point's tag is its requests' cache salt,
+    over Triton and through the router."""
+    import asyncio
+
+    from bench.serve import replay as rp
+    from bench.serve.deploy import Frontend, Targets
+    from bench.serve.workloads import BenchRequest
+
+    salts: list[tuple[str, str | None]] = []
+
+    async def fake_generate(client: object, prompt: str, max_tokens: int, rid: str, **kw: object) -> Completion:
+        salts.append((rid, kw.get("cache_salt")))  # type: ignore[arg-type]
+        return Completion(rid, 0.0)
+
+    async def fake_router(url: str, model: str, prompt: str, max_tokens: int, rid: str, *a: object, **kw: object):
+        salts.append((rid, kw.get("cache_salt")))  # type: ignore[arg-type]
+        return Completion(rid, 0.0)
+
+    monkeypatch.setattr(rp, "generate", fake_generate)
+    monkeypatch.setattr(rp, "complete_via_router", fake_router)
+    reqs = [BenchRequest("a b c", 3, 2), BenchRequest("d e f", 3, 2)]
+    for frontend, urls in ((Frontend.TRITON, ["127.0.0.1:1"]), (Frontend.ROUTER, ["http://127.0.0.1:1/v1"])):
+        for tag in ("prefill-heavy-colocated-r0", "prefill-heavy-colocated-r1"):
+            asyncio.run(rp.replay(Targets(frontend, urls, "m"), reqs, [0.0, 0.0], tag, 10))
+    assert salts == [(f"{t}-{i}", t) for _ in range(2) for t in ("prefill-heavy-colocated-r0",
+                     "prefill-heavy-colocated-r1") for i in range(2)]  # fmt: skip

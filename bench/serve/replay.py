@@ -24,15 +24,20 @@ async def replay(
     max_seconds: float,
     bar: tqdm | None = None,
 ) -> tuple[list[Completion], float]:
-    """Send each request at its arrival time (round-robin over the targets); returns them and the wall time."""
+    """Send each request at its arrival time (round-robin over the targets); returns them and the wall time.
+    ``tag`` is also every request's cache salt: a point never reuses the KV another point (or the idle
+    baseline) cached for the same prompts — each point measures prefill, not the prefix cache."""
     clients = [aioclient.InferenceServerClient(u) for u in to.urls] if to.frontend is Frontend.TRITON else []
     start = time.monotonic()
 
     async def send(i: int, req: BenchRequest, rid: str) -> Completion:
         if to.frontend is Frontend.ROUTER:
             url, model = to.urls[0], to.model
-            return await complete_via_router(url, model, req.prompt, req.max_tokens, rid, True, to.api_key)
-        return await generate(clients[i % len(clients)], req.prompt, req.max_tokens, rid, ignore_eos=True)
+            return await complete_via_router(
+                url, model, req.prompt, req.max_tokens, rid, True, to.api_key, cache_salt=tag
+            )
+        client = clients[i % len(clients)]
+        return await generate(client, req.prompt, req.max_tokens, rid, ignore_eos=True, cache_salt=tag)
 
     async def one(i: int, req: BenchRequest) -> Completion:
         await asyncio.sleep(max(0.0, arrivals[i] - (time.monotonic() - start)))
