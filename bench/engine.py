@@ -39,7 +39,7 @@ from bench.bandwidth import copy_bandwidth, read_bandwidth
 from bench.peers import PeerPoint, hf_run, llamacpp_points, load_hf
 from bench.quality import Quality, measure_quality
 from builders.arguments import engine_dir_of, engine_source_arguments
-from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
+from torch_engine.config import NO_PREFIX_CACHE, DType, EngineConfig, EngineManifest, SchedulerConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -217,6 +217,7 @@ def _engine(opts: Options) -> LLMEngine:
             max_num_batched_tokens=max_batch * opts.prompt_len,
             max_prefill_chunk=opts.prompt_len,
         ),
+        prefix_cache=NO_PREFIX_CACHE,  # repeats replay the same prompt: they must prefill it, not reuse it
     )
     return LLMEngine(cfg, load_tokenizer=False)
 

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from planner.profile import DecodeGrid, HardwareProfile, ProfileSource
-from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig
+from torch_engine.config import NO_PREFIX_CACHE, DType, EngineConfig, EngineManifest, SchedulerConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -96,6 +96,7 @@ def measure_profile(
         dtype=run_dtype,
         num_pages=max(batches) * -(-(longest + steps + 4) // page) + 8,
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=longest, max_prefill_chunk=longest),
+        prefix_cache=NO_PREFIX_CACHE,  # cost curves of computing, not of reusing
     )
     engine = LLMEngine(cfg, load_tokenizer=False)
     desc = engine.describe()

@@ -34,7 +34,7 @@ from kv_messenger.protocol import PrefillRequest, RankEndpoint
 from kv_messenger.transport.base import TransferState
 from kv_messenger.transport.nixl import NixlTransport
 from serving.kv_links import PrefillLink, engine_layout
-from torch_engine.config import DType, EngineConfig, KVLayout, SchedulerConfig
+from torch_engine.config import NO_PREFIX_CACHE, DType, EngineConfig, KVLayout, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason
 from torch_engine.sampling import SamplingParams
@@ -163,6 +163,7 @@ def _prefill_engine(engine_dir: Path, tokens: int, chunk: int, threads: int) -> 
             page_size=16,
             num_pages=-(-tokens // 16) + 8,
             scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk=chunk),
+            prefix_cache=NO_PREFIX_CACHE,
         ),
         load_tokenizer=False,
     )

@@ -262,6 +262,9 @@ class PrefixCacheConfig(_Frozen):
     )
 
 
+NO_PREFIX_CACHE = PrefixCacheConfig(enabled=False)  # benchmarks: every measured prefill computes its prompt
+
+
 class EngineConfig(_Frozen):
     """Runtime settings of one engine instance (one TP rank)."""
 

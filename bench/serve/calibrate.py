@@ -15,7 +15,7 @@ import torch
 from bench.bandwidth import copy_bandwidth
 from bench.profile import measure_profile
 from planner.profile import HardwareProfile
-from torch_engine.config import DType, EngineConfig, SchedulerConfig
+from torch_engine.config import NO_PREFIX_CACHE, DType, EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -35,7 +35,10 @@ def calibrate(
 ) -> Calibration:
     torch.set_num_threads(1)
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
-    cfg = EngineConfig(engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=512, scheduler=scheduler)
+    cfg = EngineConfig(
+        engine_dir=engine_dir, dtype=run_dtype, num_threads=1, num_pages=512, scheduler=scheduler,
+        prefix_cache=NO_PREFIX_CACHE,  # prompt(n) extends prompt(m < n): cached, the curve would be flat
+    )  # fmt: skip
     engine = LLMEngine(cfg)
     vocab = engine.describe().model.vocab_size
 
