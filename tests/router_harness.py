@@ -4,9 +4,15 @@ a group answers), served by the real aiohttp app."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 from typing import Any, cast
 
+import pytest
+
+from frontend import generation
+from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
 from frontend.groups import GroupPool
+from frontend.server import Router
 from frontend.upstream import Piece
 from torch_engine.sampling import SamplingParams
 
@@ -32,3 +38,20 @@ async def healthy(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerato
     tokens = [ids[-1]] * s.max_tokens  # repeats the prompt's last token
     for i in range(1, len(tokens) + 1):
         yield Piece(tuple(tokens[:i]), i - 1, i, "length" if i == len(tokens) else "")
+
+
+def scripted_router(
+    engine_dir: Path, scripts: dict[str, Script], monkeypatch: pytest.MonkeyPatch
+) -> tuple[Router, GroupPool]:
+    """The real router over groups named by ``scripts`` (each answers as its script says)."""
+
+    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, *_: object) -> Any:
+        return scripts[str(client)](str(client), ids, s)
+
+    monkeypatch.setattr(generation.upstream, "stream", fake_stream)
+    cfg = RouterConfig(
+        spec=RouterSpec(port=1), model_name="smollm2", engine_dir=engine_dir,
+        groups=[GroupEndpoint(name=n, grpc_url=f"127.0.0.1:{i + 1}") for i, n in enumerate(scripts)],
+    )  # fmt: skip
+    pool = ScriptedPool.of(cfg.groups)
+    return Router(cfg, pool), pool

@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from frontend import generation, groups
-from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
+from frontend import groups
+from frontend.config import GroupEndpoint, RouterSpec
 from frontend.groups import GroupPool
-from frontend.server import Router
 from frontend.upstream import Overloaded, Piece
 from serving.decode_loop import DecodeLoop
 from serving.kv_events import KVEventBatch
@@ -28,7 +27,7 @@ from serving.loop import LoopStalled
 from serving.names import OVERLOADED
 from serving.node_config import RequestTimeouts
 from tests.helpers import tiny_engine
-from tests.router_harness import ScriptedPool, healthy
+from tests.router_harness import healthy, scripted_router
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import SamplingParams
 
@@ -241,16 +240,7 @@ def router_run(
     smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict[str, Any], body: dict[str, Any],
     during: Any = None,
 ) -> tuple[int, str, dict[str, Any], dict[str, str | None]]:  # fmt: skip
-    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, *_: object) -> Any:
-        return scripts[str(client)](str(client), ids, s)
-
-    monkeypatch.setattr(generation.upstream, "stream", fake_stream)
-    cfg = RouterConfig(
-        spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
-        groups=[GroupEndpoint(name=n, grpc_url=f"127.0.0.1:{i + 1}") for i, n in enumerate(scripts)],
-    )  # fmt: skip
-    pool = ScriptedPool.of(cfg.groups)
-    router = Router(cfg, pool)
+    router, pool = scripted_router(smollm2_dir, scripts, monkeypatch)
 
     async def go() -> tuple[int, str, dict[str, str | None]]:
         async with TestClient(TestServer(router.app())) as client:

@@ -19,7 +19,7 @@ from frontend.groups import Group, GroupPool
 from frontend.server import Router
 from frontend.text import StopCutter
 from frontend.upstream import GroupUnavailable, Piece, Refused
-from tests.router_harness import Script, ScriptedPool, healthy
+from tests.router_harness import Script, ScriptedPool, healthy, scripted_router
 from torch_engine.sampling import SamplingParams
 
 
@@ -41,16 +41,7 @@ async def refuses(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerato
 def run(
     smollm2_dir: Path, scripts: dict[str, Script], monkeypatch: pytest.MonkeyPatch, body: dict[str, object]
 ) -> tuple[int, str, dict[str, Group]]:
-    def fake_stream(client: object, ids: list[int], s: SamplingParams, rid: str, *_: object) -> Any:
-        return scripts[str(client)](str(client), ids, s)
-
-    monkeypatch.setattr(generation.upstream, "stream", fake_stream)
-    cfg = RouterConfig(
-        spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
-        groups=[GroupEndpoint(name=n, grpc_url=f"127.0.0.1:{i + 1}") for i, n in enumerate(scripts)],
-    )  # fmt: skip
-    pool = ScriptedPool.of(cfg.groups)
-    router = Router(cfg, pool)
+    router, pool = scripted_router(smollm2_dir, scripts, monkeypatch)
 
     async def go() -> tuple[int, str]:
         async with TestClient(TestServer(router.app())) as client:
