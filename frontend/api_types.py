@@ -10,9 +10,17 @@ Structured output and tools: ``api_guided.py``.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from frontend.api_guided import (
     Guided,
@@ -127,13 +135,15 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def text(self) -> str:
-        """What the chat template renders: the content, or an assistant's calls as the JSON it emitted."""
+    def text(self, wrap: bool = False) -> str:
+        """What the chat template renders: the content, or an assistant's calls as the JSON it emitted
+        (``wrap``: each in ``<tool_call>`` tags, the format a model without its own is asked for)."""
         if self.tool_calls and not self.content:
-            return "\n".join(
+            calls = [
                 json.dumps({"name": c.function.name, "arguments": json_or_text(c.function.arguments)})
                 for c in self.tool_calls
-            )
+            ]
+            return "\n".join(f"<tool_call>\n{c}\n</tool_call>" if wrap else c for c in calls)
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
@@ -158,12 +168,15 @@ class ChatCompletionRequest(_Request):
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and not self.called:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
-        if self.tool_choice == "auto" or (self.tools and self.tool_choice is None):
-            raise ValueError(
-                "tool_choice 'auto' needs a chat template with a tool-call format, and this model's has none: "
-                "send tool_choice 'required' or name a function (the call is then enforced by the grammar)"
-            )
+        if self.auto_tools and super()._guides():
+            named = ", ".join(super()._guides())
+            raise ValueError(f"tool_choice 'auto' cannot be combined with {named}: name a function or drop the tools")
         return self
+
+    @property
+    def auto_tools(self) -> bool:
+        """The model may call one of the tools or answer (``tool_choice`` 'auto', the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def called(self) -> list[Tool]:
@@ -289,8 +302,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class StreamedToolCall(ToolCall):
-    index: int = 0
+class _NoNulls(BaseModel):
+    """Serialized without its unset (None) fields, as OpenAI sends tool-call deltas."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionDelta(_NoNulls):
+    name: str | None = None
+    arguments: str = ""
+
+
+class StreamedToolCall(_NoNulls):
+    """A piece of a streamed call: the first has its id, type and name; the rest more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class ChatDelta(BaseModel):

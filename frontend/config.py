@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,11 @@ class RouterSpec(_Frozen):
     max_queued: int = Field(default=1024, ge=0, description="requests waiting for a slot; beyond: 429 + Retry-After")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="the longest wait for a slot; then 503")
     max_per_client: int | None = Field(default=None, ge=1, description="one client address's requests; None: no limit")
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        default="auto",
+        description="the tool-call format of tool_choice 'auto' (vLLM's --tool-call-parser); auto: read from the chat "
+        "template, hermes (asked for in a system turn) when the template has none",
+    )
 
 
 class GroupEndpoint(_Frozen):

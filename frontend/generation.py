@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
 
 from frontend import upstream
 from frontend.api_types import (
@@ -32,6 +33,8 @@ from frontend.config import RouterConfig
 from frontend.groups import Group, GroupPool
 from frontend.metrics import RouterMetrics
 from frontend.text import StopCutter, TextAssembler
+from frontend.tool_format import auto_guide, messages_for, tool_style
+from frontend.tool_reader import ToolFormat
 from frontend.upstream import GroupUnavailable, Overloaded, Piece, Refused
 from serving.codecs import check_sampling
 from torch_engine.sampling import InvalidRequestError, SamplingParams
@@ -111,6 +114,7 @@ class Generator:
         self.pool = pool
         self.metrics = metrics
         self.tokenizer = Tokenizer(cfg.engine_dir)
+        self.tool_style = tool_style(cfg.spec.tool_parser, getattr(self.tokenizer.hf, "chat_template", None))
         self._ids = itertools.count()
 
     def request_id(self, prefix: str) -> str:
@@ -118,17 +122,27 @@ class Generator:
 
     # -- prompts -------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The conversation through the chat template; forced tool calls add a system turn that lists
-        the tools and the JSON a call is written as (the grammar then enforces it)."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        if req.called:
-            listed = json.dumps([t.function.model_dump(exclude_none=True) for t in req.called])
-            note = f'Call one of these functions: {listed}. Reply with a JSON object {{"name": ..., "arguments": ...}}.'
-            messages.insert(0, {"role": "system", "content": note})
+        """The conversation through the chat template, with the tools as this model takes them
+        (``tool_format``): forced calls get a system turn that lists the tools and the JSON a call is
+        written as (the grammar then enforces it); ``auto`` the template's own tool format, or a system
+        turn asking for ``<tool_call>`` blocks."""
+        fmt = self.tool_format(req)
+        native = fmt is not None and fmt is not ToolFormat.JSON and self.tool_style.native
+        tools = req.called or (req.tools or [] if req.auto_tools else [])
+        messages = messages_for(req.messages, tools, fmt, native)
+        given = [t.model_dump(exclude_none=True) for t in tools] if native else None
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, given)
         except ValueError as exc:  # no chat template
             raise ApiError(400, f"{exc}: use /v1/completions", param="messages") from None
+        except TemplateError as exc:  # the template refused the conversation (roles out of order, ...)
+            raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+
+    def tool_format(self, req: ChatCompletionRequest) -> ToolFormat | None:
+        """How this request's reply is read for calls (None: it makes none)."""
+        if req.called:
+            return ToolFormat.JSON
+        return self.tool_style.fmt if req.auto_tools else None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt's token ids (a string is tokenized; ids are checked against the vocabulary)."""
@@ -151,6 +165,9 @@ class Generator:
                 400, f"max_tokens must be at most {self.cfg.max_tokens_limit}, got {limit}", param="max_tokens"
             )
         guided = req.guided
+        if guided is None and isinstance(req, ChatCompletionRequest) and req.auto_tools:
+            auto = auto_guide(req.tools or [], self.tool_style.fmt)
+            guided = ("tools", auto) if auto is not None else None
         params = SamplingParams(
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,

@@ -1,16 +1,11 @@
 """The router's response bodies: OpenAI's chunks and choices built from what a request produced
-(``Delta`` s and its ``Outcome``): the finish reason, a forced tool call read back from the JSON the
-grammar wrote, the legacy completions' log-probability lists."""
+(``Delta`` s and its ``Outcome``): the finish reason, the chat message (``ChatReply``), the legacy
+completions' log-probability lists."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Literal
 
-from pydantic import BaseModel
-
-from frontend.api_guided import FunctionCall
 from frontend.api_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,34 +13,17 @@ from frontend.api_types import (
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
-    ChatResponseMessage,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     PromptTokensDetails,
-    StreamedToolCall,
     TokenLogprob,
-    ToolCall,
     Usage,
 )
+from frontend.chat_reply import ChatReply
 from frontend.choices import Ran
 from frontend.generation import Outcome
-
-
-def tool_call(req: ChatCompletionRequest, text: str, outcome: Outcome, call_id: str) -> ToolCall | None:
-    """A forced tool call's JSON (the grammar wrote it) as OpenAI's ``tool_calls`` entry; None when no
-    call was forced, or the text was cut by ``max_tokens`` (it stays content, ``finish_reason: length``)."""
-    if not req.called or outcome.finish_reason == "length":
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    return ToolCall(id=call_id, function=FunctionCall(name=value["name"], arguments=json.dumps(value.get("arguments"))))
-
 
 Reason = Literal["stop", "length"]
 
@@ -116,34 +94,14 @@ def usage_of(outcomes: list[Outcome], n: int, scores_only: bool) -> Usage:
     )  # fmt: skip
 
 
-def tool_call_events(
-    req: ChatCompletionRequest, choice: ChatChoice, outcome: Outcome, rid: str
-) -> list[BaseModel | str]:
-    """A forced tool call's stream, as OpenAI streams one: the role, the whole call in one delta, the end."""
-    created, message = int(time.time()), choice.message
-    calls = [StreamedToolCall(index=0, **c.model_dump()) for c in message.tool_calls or []]
-    events: list[BaseModel | str] = [
-        chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")),
-        chat_chunk(
-            rid, created, req.model, ChatDelta(content=message.content, tool_calls=calls or None), choice.finish_reason
-        ),
-    ]
-    if req.include_usage:
-        events.append(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=outcome.usage))
-    return [*events, "[DONE]"]
-
-
-def chat_choice(req: ChatCompletionRequest, index: int, r: Ran, call_id: str) -> ChatChoice:
-    """One chat choice: its text, or the tool call the grammar wrote (``finish_reason: tool_calls``)."""
+def chat_choice(req: ChatCompletionRequest, index: int, r: Ran, reply: ChatReply) -> ChatChoice:
+    """One chat choice: its text, or its content and the tool calls read from it (``finish_reason:
+    tool_calls``)."""
     text = "".join(d.text for d in r.deltas)
     lps = [lp for d in r.deltas for lp in d.logprobs]
     logprobs = ChatLogprobs(content=lps) if req.num_top_logprobs is not None else None
-    call = tool_call(req, text, r.outcome, call_id)
-    if call is not None:
-        message = ChatResponseMessage(content=None, tool_calls=[call])
-        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason="tool_calls")
-    message = ChatResponseMessage(content=text)
-    return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason_of(r.outcome))
+    message, finish = reply.message(text), reply.reason(r.outcome)
+    return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
 
 
 def completion_choice(req: CompletionRequest, index: int, r: Ran, prompt_text: str, first: str) -> CompletionChoice:

@@ -39,19 +39,18 @@ from frontend.api_types import (
     ModelCard,
     ModelList,
 )
+from frontend.chat_reply import ChatReply
 from frontend.config import RouterConfig
 from frontend.generation import ApiError, Delta, Generator, Outcome
 from frontend.groups import GroupPool
 from frontend.metrics import RouterMetrics, route_of
 from frontend.responses import (
-    Reason,
     chat_choice,
     chat_chunk,
     completion_choice,
     completion_chunk,
     completion_logprobs,
     reason_of,
-    tool_call_events,
     usage_of,
 )
 from torch_engine.sampling import SamplingParams
@@ -61,6 +60,7 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 REQUEST_ID = "X-Request-Id"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ROLE = ChatDelta(role="assistant", content="")  # a chat stream's first delta (per choice)
 
 
 def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -233,13 +233,11 @@ class Router:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise ApiError(400, "the prompt is empty: it has no tokens", param=param)
         # a guide's check can take 100 ms for a big schema: off the event loop, which every client shares
-        sampling = await asyncio.to_thread(self.gen.sampling, req) if req.guided else self.gen.sampling(req)
+        guided = req.guided or (isinstance(req, ChatCompletionRequest) and req.auto_tools)
+        sampling = await asyncio.to_thread(self.gen.sampling, req) if guided else self.gen.sampling(req)
         traced = _client_request_id(request) or rid  # names the request on the decode node (traces, logs)
         if len(prompts) * req.width == 1:
             outcome = Outcome(prompt_tokens=len(prompts[0]))
-            if req.stream and isinstance(req, ChatCompletionRequest) and req.called:
-                deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
-                return await self._stream_call(request, req, await choices.collect_all(deltas), outcome, rid, traced)
             if req.stream:
                 deltas = self.gen.deltas(prompts[0], sampling, traced, outcome)
                 return await self._stream(request, req, deltas, outcome, rid, traced, prompts[0])
@@ -254,7 +252,7 @@ class Router:
         runs = choices.best(runs, req.n, req.width) if req.width > req.n else runs
         now = int(time.time())
         if isinstance(req, ChatCompletionRequest):
-            chat = [chat_choice(req, i, r, self._call_id(i)) for i, r in enumerate(runs)]
+            chat = [chat_choice(req, i, r, self._reply(req)) for i, r in enumerate(runs)]
             body: BaseModel = ChatCompletion(id=rid, created=now, model=req.model, choices=chat, usage=usage)
         else:
             texts = [
@@ -272,10 +270,11 @@ class Router:
         role chunk first, completions with ``echo``: the prompt first); an error before the first byte
         is still an HTTP error."""
         chat, created, n = isinstance(req, ChatCompletionRequest), int(time.time()), req.n
-        queue: asyncio.Queue[tuple[int, Delta, Reason | None] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Delta, Outcome, bool] | None] = asyncio.Queue()
+        replies: dict[int, ChatReply] = {}
 
-        def sink(i: int, d: Delta, o: Outcome) -> None:  # the finish reason as of this delta
-            queue.put_nowait((i, d, reason_of(o) if o.finish_reason else None))
+        def sink(i: int, d: Delta, o: Outcome) -> None:  # whether the choice ended with this delta
+            queue.put_nowait((i, d, o, bool(o.finish_reason)))
 
         task = asyncio.create_task(choices.run(self.gen, prompts, s, traced, n, sink))
         task.add_done_callback(lambda _: queue.put_nowait(None))
@@ -283,21 +282,23 @@ class Router:
         seen: set[int] = set()
         try:
             while (item := await queue.get()) is not None:
-                i, d, why = item
+                i, d, o, last = item
                 if response is None:
                     response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
                     await response.prepare(request)
-                if chat:
+                if isinstance(req, ChatCompletionRequest):
                     if i not in seen:
-                        await response.write(
-                            _sse(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content=""), index=i))
-                        )
-                    chunk: BaseModel = chat_chunk(rid, created, req.model, ChatDelta(content=d.text), why, index=i)
+                        replies[i] = self._reply(req)
+                        await response.write(_sse(chat_chunk(rid, created, req.model, ROLE, index=i)))
+                    chunk: BaseModel | None = replies[i].chunk(rid, created, req.model, d.text, o, index=i, last=last)
                 else:
-                    echo = self._prompt_text(req.prompts[i // n]) if req.echo and i not in seen else ""  # type: ignore[union-attr]
-                    chunk = completion_chunk(rid, created, req.model, echo + d.text, why, index=i)
+                    echo = self._prompt_text(req.prompts[i // n]) if req.echo and i not in seen else ""
+                    chunk = completion_chunk(
+                        rid, created, req.model, echo + d.text, reason_of(o) if last else None, index=i
+                    )
                 seen.add(i)
-                await response.write(_sse(chunk))
+                if chunk is not None:
+                    await response.write(_sse(chunk))
             runs = await task
         except ApiError as e:
             if response is None:
@@ -319,21 +320,10 @@ class Router:
         self.metrics.requests.labels(route_of(request), "200").inc()
         return response
 
-    async def _stream_call(
-        self, request: web.Request, req: ChatCompletionRequest, deltas: list[Delta], outcome: Outcome, rid: str,
-        traced: str,
-    ) -> web.StreamResponse:  # fmt: skip
-        """A forced tool call, streamed as OpenAI streams one: the role, the whole call in one delta, the end."""
-        choice = chat_choice(req, 0, choices.Ran(0, deltas, outcome), self._call_id(0))
-        response = web.StreamResponse(headers=SSE_HEADERS | {REQUEST_ID: traced})
-        await response.prepare(request)
-        for payload in tool_call_events(req, choice, outcome, rid):
-            await response.write(_sse(payload))
-        self.metrics.requests.labels(route_of(request), "200").inc()
-        return response
-
-    def _call_id(self, index: int) -> str:
-        return f"call_{self.gen.request_id('')[1:]}_{index}"
+    def _reply(self, req: ChatCompletionRequest) -> ChatReply:
+        """A chat choice's reply, reading tool calls when the request may make them."""
+        base = self.gen.request_id("")[1:]
+        return ChatReply(self.gen.tool_format(req), lambda k: f"call_{base}_{k}")
 
     def _first(self, ids: list[int]) -> str:
         return self.gen.tokenizer.decode(ids[:1])
@@ -353,6 +343,7 @@ class Router:
     ) -> web.StreamResponse:
         """Server-sent events; the first upstream failure before any byte went out is still an HTTP error."""
         chat, created = isinstance(req, ChatCompletionRequest), int(time.time())
+        reply = self._reply(req) if isinstance(req, ChatCompletionRequest) else None
         response: web.StreamResponse | None = None
         prompt_text = "" if chat else self._prompt_text(req.prompts[0])  # type: ignore[union-attr]
         offset, first = len(prompt_text), self.gen.tokenizer.decode(ids[:1])  # text offsets run across chunks
@@ -367,23 +358,24 @@ class Router:
         async with contextlib.aclosing(deltas) as ds:
             try:
                 if chat:
-                    await send(chat_chunk(rid, created, req.model, ChatDelta(role="assistant", content="")))
+                    await send(chat_chunk(rid, created, req.model, ROLE))
                 elif req.echo:  # type: ignore[union-attr]
                     await send(completion_chunk(rid, created, req.model, prompt_text, None))
                 continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
                 async for d in ds:
-                    reason = reason_of(outcome) if outcome.finish_reason else None
-                    usage = outcome.usage if continuous else None
-                    chunk: ChatCompletionChunk | Completion
-                    if chat:
+                    chunk: ChatCompletionChunk | Completion | None
+                    if reply is not None:
                         logprobs = ChatLogprobs(content=d.logprobs) if d.logprobs else None
-                        chunk = chat_chunk(rid, created, req.model, ChatDelta(content=d.text), reason, logprobs)
+                        chunk = reply.chunk(rid, created, req.model, d.text, outcome, logprobs)
+                        if chunk is None:
+                            continue  # held back: it may open a tool call
                     else:
+                        reason = reason_of(outcome) if outcome.finish_reason else None
                         prompt = d.prompt if req.echo else []  # type: ignore[union-attr]
                         lps = completion_logprobs(req, d.logprobs, offset, prompt, first)  # type: ignore[arg-type]
                         offset += sum(len(lp.token) for lp in d.logprobs)
                         chunk = completion_chunk(rid, created, req.model, d.text, reason, lps)
-                    chunk.usage = usage
+                    chunk.usage = outcome.usage if continuous else None
                     await send(chunk)
             except ApiError as e:
                 if response is None:
@@ -393,10 +385,8 @@ class Router:
                 await send("[DONE]")
                 return response
         if req.include_usage:
-            usage_chunk = (ChatCompletionChunk if chat else Completion)(
-                id=rid, created=created, model=req.model, choices=[], usage=outcome.usage
-            )
-            await send(usage_chunk)
+            kind = ChatCompletionChunk if chat else Completion
+            await send(kind(id=rid, created=created, model=req.model, choices=[], usage=outcome.usage))
         await send("[DONE]")
         self.metrics.requests.labels(route_of(request), "200").inc()
         assert response is not None

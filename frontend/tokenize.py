@@ -6,12 +6,13 @@ The same chat template and vocabulary checks as the generation routes; errors in
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from frontend.api_types import ChatMessage
+from frontend.api_guided import NamedToolChoice, Tool
+from frontend.api_types import ChatCompletionRequest, ChatMessage
 from frontend.generation import ApiError, Generator
 
 
@@ -20,7 +21,15 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if self.messages is not None:  # the chat route's checks (a named function must be among the tools)
+            ChatCompletionRequest(model="m", messages=self.messages, tools=self.tools, tool_choice=self.tool_choice)
+        return self
 
 
 class TokenizeResponse(BaseModel):
@@ -69,12 +78,11 @@ def routes(gen: Generator, model_name: str) -> list[web.RouteDef]:
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send exactly one of prompt and messages")
-        if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            try:
-                ids = gen.tokenizer.encode_chat(messages)
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
+        if req.messages is not None:  # as the chat route renders it, tools included
+            chat = ChatCompletionRequest.model_construct(
+                model=model_name, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice
+            )
+            ids = gen.chat_prompt(chat)
         else:
             ids = list(gen.tokenizer.hf.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
         body = TokenizeResponse(count=len(ids), tokens=ids)

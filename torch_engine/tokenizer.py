@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -21,11 +23,13 @@ class Tokenizer:
             return self.encode_chat(messages)
         return list(self.hf.encode(text))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation (``role`` / ``content`` turns) through the model's chat template, ready for the reply."""
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation (``role`` / ``content`` turns, Hugging Face's ``tool_calls`` / ``tool`` turns) through
+        the model's chat template, ready for the reply; ``tools`` are given to the template as they are."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template")
-        rendered = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        given: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
+        rendered = self.hf.apply_chat_template(messages, tools=given, tokenize=False, add_generation_prompt=True)
         assert isinstance(rendered, str)
         return list(self.hf.encode(rendered, add_special_tokens=False))
 

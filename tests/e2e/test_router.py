@@ -24,6 +24,10 @@ import torch
 from bench.serve.deploy import Frontend, load_targets
 from bench.serve.replay import replay
 from bench.serve.workloads import BenchRequest
+from frontend.api_guided import Tool
+from frontend.chat_reply import ChatReply
+from frontend.tool_format import auto_guide
+from frontend.tool_reader import ToolFormat
 from orchestrator.launch import JobState, Launch, run_processes
 from serving.ports import free_port
 from tests.deploy_harness import cluster, deployed
@@ -349,7 +353,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 def test_forced_tool_calls_follow_the_function_schema(deployment: Launch) -> None:
     """``tool_choice`` naming a function or ``required``: the call is written under the grammar, so its
     arguments satisfy the function's schema; ``tool_calls`` and ``finish_reason: tool_calls`` as OpenAI
-    sends them, streamed too; a tool's answer in the history is taken; ``auto`` is a 400 saying why."""
+    sends them, streamed too (the arguments in pieces); a tool's answer in the history is taken."""
     client = _client(deployment)
     create = cast(Any, client.chat.completions).create  # the calls' dicts, unchecked by the client's overloads
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -365,13 +369,85 @@ def test_forced_tool_calls_follow_the_function_schema(deployment: Launch) -> Non
     stream = ask(tools=[WEATHER], tool_choice=named, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
     streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
-    assert deltas[-1].finish_reason == "tool_calls" and streamed[0].function.arguments == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls" and streamed[0].function.name == "get_weather"
+    assert "".join(t.function.arguments or "" for t in streamed) == call.function.arguments and len(streamed) > 2
     history = [*messages, {"role": "assistant", "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]  # fmt: skip
     answer = create(model="smollm2", messages=history, max_tokens=12)
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
-    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto' needs a chat template"):
-        create(model="smollm2", messages=messages, max_tokens=8, tools=[WEATHER])
+
+
+def _weather_args(arguments: str) -> bool:
+    """``get_weather``'s schema, checked by hand: exactly city (a string of at most 20) and unit (an enum)."""
+    args = json.loads(arguments)
+    return (
+        set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 20
+        and args["unit"] in ("celsius", "fahrenheit")
+    )  # fmt: skip
+
+
+def test_auto_tool_choice_lets_the_model_call_or_answer(deployment: Launch, engine: LLMEngine) -> None:
+    """``tool_choice: auto`` (the default with tools) on SmolLM2, whose template has no tool format: the
+    router lists the tools and asks for ``<tool_call>`` blocks; after one call in the history the model
+    calls again for a new city (the engine's own tokens, read as OpenAI's ``tool_calls``), and answers a
+    greeting in words. The openai client's stream helper assembles the streamed deltas into the same
+    message; sampled replies are each a call that satisfies the schema or plain content."""
+    client = _client(deployment)
+    create = cast(Any, client.chat.completions).create
+    prior = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}  # fmt: skip
+    oslo = {"role": "user", "content": "What is the weather in Oslo?"}
+    history: list[dict[str, Any]] = [oslo, {"role": "assistant", "tool_calls": [prior]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+               {"role": "assistant", "content": "It is -3 C in Oslo."},
+               {"role": "user", "content": "What is the weather in Paris?"}]  # fmt: skip
+    ask = functools.partial(create, model="smollm2", tools=[WEATHER], max_tokens=40, temperature=0)
+    r = ask(messages=history)
+    choice = r.choices[0]
+    call = (choice.message.tool_calls or [None])[0]
+    assert choice.finish_reason == "tool_calls" and call is not None and call.function.name == "get_weather", choice
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"} and call.id.startswith("call_")
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = _rendered(deployment, history)
+    want = tok.decode(engine.generate([ids], SamplingParams(max_tokens=40, guide=_auto_guide()))[0])
+    mine = ChatReply(ToolFormat.HERMES, str).message(want)  # the engine's tokens, read as the router reads them
+    assert mine.tool_calls and mine.tool_calls[0].function.model_dump() == call.function.model_dump(), want
+    helper = cast(Any, client.chat.completions).stream
+    with helper(model="smollm2", messages=history, tools=[WEATHER], max_tokens=40, temperature=0) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls is not None
+    got = final.message.tool_calls[0].function
+    assert (got.name, got.arguments) == (call.function.name, call.function.arguments)
+    hello = ask(messages=[{"role": "user", "content": "Hi! How are you?"}], tool_choice="auto")
+    assert hello.choices[0].finish_reason in ("stop", "length") and hello.choices[0].message.content
+    assert not hello.choices[0].message.tool_calls
+    calls = 0
+    for seed in range(6):  # a call cut by max_tokens ends with "length", its arguments as far as they got
+        sampled = ask(messages=history, temperature=1.0, seed=seed, max_tokens=80).choices[0]
+        made = sampled.message.tool_calls or []
+        complete = made if sampled.finish_reason == "tool_calls" else made[:-1]
+        assert all(c.function.name == "get_weather" and _weather_args(c.function.arguments) for c in complete)
+        assert (sampled.finish_reason == "tool_calls") == bool(made) or sampled.finish_reason == "length"
+        assert "<tool_call>" not in (sampled.message.content or "")
+        calls += bool(complete)
+    assert calls >= 1
+
+
+def _rendered(launch: Launch, messages: list[dict[str, Any]]) -> list[int]:
+    """The router's prompt for ``messages`` with ``WEATHER`` offered (its ``/tokenize``)."""
+    base = _base(launch).removesuffix("/v1")
+    body = json.dumps({"model": "smollm2", "messages": messages, "tools": [WEATHER]}).encode()
+    req = urllib.request.Request(f"{base}/tokenize", data=body, headers={"Authorization": f"Bearer {KEY}",
+                                 "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return cast(list[int], json.loads(r.read())["tokens"])
+
+
+def _auto_guide() -> Guide:
+    guide = auto_guide([Tool.model_validate(WEATHER)], ToolFormat.HERMES)
+    assert guide is not None
+    return guide
 
 
 def test_a_conversation_reuses_its_history_on_the_group_that_holds_it(deployment: Launch, engine: LLMEngine) -> None:
