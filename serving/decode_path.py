@@ -5,7 +5,10 @@
     admit: one engine call (``admit_for_kv``: validate, report load, place, reserve + pin) ──
     admit ──one-token prompt, or the placement rule says prefill here (planner/placement.py), or (auto)
           no prefill group is in rotation──> the engine
-    admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below
+    admit ──too few free pages to reserve──> QUEUED (in arrival order) ──pages free──> admitted as below;
+          one refused for want of pages is passed by later ones that fit until it has waited
+          ``head_of_line_s``, then nothing passes it (small prompts are not held behind a big one,
+          and the big one is not starved)
     admit ──reserved + pinned, pick a group (Router), send PrefillRequest (Triton gRPC, async)──> SENT
     SENT ──the call was refused / never connected──> another group (same pages, new epoch) or FAILED
     SENT ──the call timed out / broke (the group may have taken it)──> the epoch is abandoned (its
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,11 +53,15 @@ from torch_engine.sampling import InvalidRequestError, SamplingParams
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Queued:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    blocked_since: float | None = None  # when it was first refused for want of pages
+
+
+BYPASS_SCAN = 4  # queued requests looked at past a blocked head per pass (each costs an admission try)
 
 
 @dataclass(slots=True)
@@ -76,10 +84,12 @@ class KVFetcher:
         auth_key: str | None = None,
         membership: Membership | None = None,
         placement: PlacementSpec | None = None,
+        head_of_line_s: float = 5.0,
     ) -> None:
         if not groups:
             raise ValueError("a disaggregated decode node needs at least one prefill group")
         self.membership = membership  # prefill groups dying and coming back (a deployment's registry)
+        self.head_of_line_s = head_of_line_s
         self.placement = placement or PlacementSpec()
         self._costs = self.placement.cost_models()
         self.local_prefills = self.remote_prefills = 0  # where prompts of two or more tokens were prefilled
@@ -187,14 +197,21 @@ class KVFetcher:
         return failures
 
     def _drain(self) -> list[tuple[str, str]]:
-        """Start queued requests, in order, while the engine has pages for them."""
+        """Start queued requests in arrival order while the engine has pages for them; one refused for
+        want of pages is passed by later ones that fit (``BYPASS_SCAN`` looked at per pass) until it has
+        waited ``head_of_line_s``: then the ones behind it wait for it."""
         failures: list[tuple[str, str]] = []
-        while self._queued:
-            q = self._queued[0]
+        now, i, blocked = time.monotonic(), 0, 0
+        while i < len(self._queued) and blocked <= BYPASS_SCAN:
+            q = self._queued[i]
             adm = self.engine.admit_for_kv(q.prompt_ids, q.params, q.request_id, _remote)
             if isinstance(adm, Refused) and adm.reason is RefusalReason.NO_ROOM:
-                break
-            self._queued.popleft()
+                q.blocked_since = now if q.blocked_since is None else q.blocked_since
+                if now - q.blocked_since >= self.head_of_line_s:
+                    break
+                i, blocked = i + 1, blocked + 1
+                continue
+            del self._queued[i]
             match adm:
                 case Reserved():
                     try:

@@ -61,6 +61,7 @@ def decode_loop(node: NodeConfig, on_report: ReportHook | None = None) -> tuple[
             auth_key=node.auth_key,
             membership=rank.membership(Role.PREFILL),
             placement=node.placement,
+            head_of_line_s=t.head_of_line_s,
         )
     channel = rank.channel
 

@@ -67,6 +67,12 @@ class RequestTimeouts(_Frozen):
         description="a request still without its first token this long after it reached a decode / colocated node "
         "is aborted as overloaded (bounded queueing); more than kv_transfer_s",
     )
+    head_of_line_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a decode node's request waiting for pages to reserve is passed by later ones that fit for at "
+        "most this long; then nothing passes it until it has its pages (0: strict arrival order)",
+    )
     loop_stall_s: float = Field(
         default=360.0,
         gt=0,

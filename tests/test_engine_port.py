@@ -42,7 +42,7 @@ class Recorder:
         pass
 
 
-def fetcher_over(fake: FakeEngine) -> KVFetcher:
+def fetcher_over(fake: FakeEngine, head_of_line_s: float = 5.0) -> KVFetcher:
     fabric = MemoryFabric()
     kv = fake.kv_export()
     dside = DecodeSide(fabric.agent("d0"), engine_layout(kv), kv.pools, grace_s=0.05)
@@ -54,7 +54,8 @@ def fetcher_over(fake: FakeEngine) -> KVFetcher:
     dside.connect([pside.endpoint()])
     Recorder.sent = []
     side = GroupDecodeSide(dside, GroupChannel(fake), ["d0"])
-    return KVFetcher(fake, side, [PrefillGroup(0, "unused:0", ["p0"])], 30.0, 5.0, caller=Recorder)
+    groups = [PrefillGroup(0, "unused:0", ["p0"])]
+    return KVFetcher(fake, side, groups, 30.0, 5.0, caller=Recorder, head_of_line_s=head_of_line_s)
 
 
 def test_llm_engine_implements_both_ports() -> None:
@@ -84,7 +85,7 @@ def test_a_refused_prompt_raises_the_engines_reason_and_takes_nothing() -> None:
 
 def test_requests_without_room_wait_in_arrival_order_and_start_when_pages_come_back() -> None:
     fake = FakeEngine(num_pages=16, page_size=4)
-    fetcher = fetcher_over(fake)
+    fetcher = fetcher_over(fake, head_of_line_s=0.0)  # strict arrival order
     fetcher.admit("a", list(range(41)), PARAMS)  # 10 pages
     fetcher.admit("b", list(range(41)), PARAMS)  # 10 more: no room
     fetcher.admit("c", list(range(5)), PARAMS)  # 1 page would fit, but it does not jump the queue
@@ -97,6 +98,27 @@ def test_requests_without_room_wait_in_arrival_order_and_start_when_pages_come_b
         time.sleep(0.01)
     assert [r.request_id for r in Recorder.sent] == ["a", "b", "c"]  # a's pages came back after its fence
     assert fake.allocator.stats().used == 11
+
+
+def test_a_big_prompt_waiting_for_pages_lets_small_ones_pass_for_a_while_then_goes_first() -> None:
+    """No head-of-line blocking, no starvation: a prompt too big for the free pages is passed by later
+    ones that fit until it has waited ``head_of_line_s``; from then on the ones behind it wait for it."""
+    fake = FakeEngine(num_pages=16, page_size=4)
+    fetcher = fetcher_over(fake, head_of_line_s=0.3)
+    fetcher.admit("a", list(range(41)), PARAMS)  # 10 pages
+    fetcher.admit("big", list(range(41)), PARAMS)  # 10 more: no room
+    fetcher.admit("small", list(range(5)), PARAMS)  # 1 page: fits
+    assert fetcher.tick() == []
+    assert [r.request_id for r in Recorder.sent] == ["a", "small"] and fetcher.records()["queued"] == 1
+    time.sleep(0.35)  # big has waited head_of_line_s
+    fetcher.admit("late", list(range(5)), PARAMS)
+    assert fetcher.tick() == [] and [r.request_id for r in Recorder.sent] == ["a", "small"]  # late waits for big
+    assert fetcher.cancel("a")
+    deadline = time.monotonic() + 5
+    while len(Recorder.sent) < 4 and time.monotonic() < deadline:
+        assert fetcher.tick() == []
+        time.sleep(0.01)
+    assert [r.request_id for r in Recorder.sent] == ["a", "small", "big", "late"]
 
 
 def _typed(e: LLMEngine, f: FakeEngine) -> tuple[ConnectorPort, FollowerPort, ConnectorPort, FollowerPort]:
