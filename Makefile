@@ -21,19 +21,20 @@ $(STAMP): pyproject.toml Makefile $(wildcard torch_engine/csrc/*.cpp)
 serve: setup
 	$(VENV)/bin/disagg launch configs/serve.yaml --demo "What is the capital of France? Answer in one sentence."
 
-# Benchmark clients our users run against OpenAI-compatible servers, each in its own venv (CPU torch from
-# this machine's wheel first, so that none pulls a CUDA build): tests/e2e/test_real_clients.py runs them
-# against a real deployment. An install that fails is said, and those tests skip naming it.
+# Benchmark and evaluation clients our users run against OpenAI-compatible servers, each in its own venv
+# (CPU torch from this machine's wheel first, so that none pulls a CUDA build), as venv=pin:
+# tests/e2e/test_real_clients.py runs them against a real deployment. An install that fails is said,
+# and those tests skip naming it.
 CLIENTS := .venv-clients
-CLIENT_PINS := aiperf==0.13.0 guidellm==0.8.1
+CLIENT_PINS := aiperf=aiperf==0.13.0 guidellm=guidellm==0.8.1 lm_eval=lm-eval[api]==0.4.13
 
 clients: $(CLIENTS)/.stamp
 
 $(CLIENTS)/.stamp: Makefile
-	for pin in $(CLIENT_PINS); do \
-	  tool=$${pin%%==*}; \
+	for spec in $(CLIENT_PINS); do \
+	  tool=$${spec%%=*}; pin=$${spec#*=}; \
 	  { test -x $(CLIENTS)/$$tool/bin/python || $(PYTHON) -m venv $(CLIENTS)/$$tool; } && \
-	  $(CLIENTS)/$$tool/bin/python -m pip install -q torch==2.13.0 $$pin \
+	  $(CLIENTS)/$$tool/bin/python -m pip install -q torch==2.13.0 "$$pin" \
 	  || echo "$$pin not installed: the tests that run it will skip"; \
 	done
 	touch $@

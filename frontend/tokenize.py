@@ -27,6 +27,8 @@ class TokenizeRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
         if self.messages is not None:  # the chat route's checks (a named function must be among the tools)
             ChatCompletionRequest(model="m", messages=self.messages, tools=self.tools, tool_choice=self.tool_choice)
         return self
@@ -48,6 +50,8 @@ class DetokenizeResponse(BaseModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+# the special tokens /tokenizer_info names (lm-eval's remote tokenizer reads them)
+SPECIAL = ("bos", "eos", "pad", "unk")
 
 
 async def _read(request: web.Request, kind: type[M]) -> M:
@@ -76,8 +80,6 @@ def routes(gen: Generator, model_name: str) -> list[web.RouteDef]:
     async def tokenize(request: web.Request) -> web.Response:
         req = await _read(request, TokenizeRequest)
         check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "send exactly one of prompt and messages")
         if req.messages is not None:  # as the chat route renders it, tools included
             chat = ChatCompletionRequest.model_construct(
                 model=model_name, messages=req.messages, tools=req.tools, tool_choice=req.tool_choice
@@ -103,6 +105,9 @@ def routes(gen: Generator, model_name: str) -> list[web.RouteDef]:
         hf = gen.tokenizer.hf
         info = {k: v for k, v in hf.init_kwargs.items() if isinstance(v, str | int | float | bool | None)}
         info |= {"tokenizer_class": type(hf).__name__, "chat_template": getattr(hf, "chat_template", None)}
+        info |= {f"{k}_token": str(getattr(hf, f"{k}_token")) for k in SPECIAL if getattr(hf, f"{k}_token", None)}
+        for local in ("name_or_path", "is_local", "local_files_only", "vocab_file"):  # the server's own paths
+            info.pop(local, None)
         return web.json_response(info)
 
     return [

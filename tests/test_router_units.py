@@ -219,6 +219,7 @@ def test_tokenize_and_detokenize_use_the_deployment_tokenizer(smollm2_dir) -> No
             info = await client.get("/tokenizer_info")
             body = await info.json()
             assert info.status == 200 and body["chat_template"] == tok.hf.chat_template and body["tokenizer_class"]
+            assert body["eos_token"] == tok.hf.eos_token and "name_or_path" not in body
             return out
 
     (s1, a), (s2, b), (s3, c), (s4, d), (s5, e), (s6, f) = asyncio.run(go())

@@ -1,10 +1,11 @@
-"""The benchmark clients our users run against OpenAI-compatible servers — NVIDIA's AIPerf and
-guidellm — run unchanged (each from its own venv: ``make clients``) against the router of a real
-disaggregated deployment, streamed chat, bounded (12 requests each). What they report is checked,
-not their exit code: every request completed without an error, each got exactly the tokens asked
-for, the prompt tokens the server reported equal our tokenizer's count of what the tool sent
-through the chat template, time to first token and inter-token latency were measured, and the
-prefix cache's ``cached_tokens`` reached them as whole pages."""
+"""The benchmark and evaluation clients our users run against OpenAI-compatible servers — NVIDIA's
+AIPerf, guidellm and lm-eval — run unchanged (each from its own venv: ``make clients``) against the
+router of a real disaggregated deployment, bounded (12 requests or items each). What they report is
+checked, not their exit code: for the benchmarks, every request completed without an error, each got
+exactly the tokens asked for, the prompt tokens the server reported equal our tokenizer's count of
+what the tool sent through the chat template, time to first token and inter-token latency were
+measured, and the prefix cache's ``cached_tokens`` reached them as whole pages; for lm-eval, every
+log-likelihood it recorded and the accuracy it reports equal Hugging Face's on the same text."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from orchestrator.launch import Launch
 from serving.ports import free_port
@@ -121,3 +123,82 @@ def test_guidellm_runs_unchanged_and_reports_what_was_served(deployment: Launch,
         assert r["cached_tokens"] % PAGE == 0 and r["cached_tokens"] < len(want)
         cached += r["cached_tokens"]
     assert cached > 0  # the chat template's system turn fills a page every prompt shares
+
+
+FACTS = [  # (question, choices, gold): a 12-item multiple-choice task, the gold answers spread over the positions
+    ("What is the capital of France?", ["Berlin", "Paris", "Madrid", "Rome"], 1),
+    ("What is the capital of Japan?", ["Tokyo", "Seoul", "Beijing", "Bangkok"], 0),
+    ("How many legs does a spider have?", ["six", "four", "ten", "eight"], 3),
+    ("What colour is the sky on a clear day?", ["green", "red", "blue", "yellow"], 2),
+    ("What is 2 + 2?", ["3", "4", "5", "22"], 1),
+    ("Which animal barks?", ["cat", "cow", "dog", "fish"], 2),
+    ("What do bees make?", ["honey", "milk", "silk", "wool"], 0),
+    ("Which planet do we live on?", ["Mars", "Venus", "Jupiter", "Earth"], 3),
+    ("What is frozen water called?", ["steam", "ice", "sand", "glass"], 1),
+    ("How many days are in a week?", ["five", "seven", "ten", "twelve"], 1),
+    ("Which is the largest ocean?", ["Pacific", "Atlantic", "Indian", "Arctic"], 0),
+    ("What language is spoken in Spain?", ["French", "German", "Spanish", "Dutch"], 2),
+]
+TASK = """task: disagg_facts
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_lm_eval_scores_what_hf_scores(deployment: Launch, smollm2_dir: Path, hf_smollm2, tmp_path) -> None:
+    """lm-eval's ``local-completions`` on a local multiple-choice task, as users run it: its remote
+    tokenizer (our ``/tokenize`` and ``/tokenizer_info``), token-id prompts four to a request, ``echo``
+    log-probabilities. Each choice's log-likelihood it recorded equals HF's log-softmax sum over the
+    same tokens, and the accuracy it reports is the share of items whose gold choice HF ranks first."""
+    data = tmp_path / "facts.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in FACTS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "disagg_facts.yaml").write_text(TASK.format(data=data))
+    out = tmp_path / "out"
+    url = f"{_target(deployment)}/v1/completions"
+    args = f"model=smollm2,base_url={url},auth_token={KEY},num_concurrent=2,max_retries=1,tokenized_requests=True"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env |= {"OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [str(tool("lm_eval")), "--model", "local-completions", "--model_args", args, "--tasks", "disagg_facts",
+         "--include_path", str(tasks), "--batch_size", "4", "--output_path", str(out), "--log_samples"],
+        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert "remote tokenizer" in log.lower(), log[-4000:]  # it found /tokenize and /tokenizer_info
+    (results,) = out.rglob("results_*.json")
+    (samples,) = out.rglob("samples_disagg_facts_*.jsonl")
+    reported = json.loads(results.read_text())["results"]["disagg_facts"]["acc,none"]
+    tok = Tokenizer(smollm2_dir)
+    right = 0
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == len(FACTS)
+    for row in rows:
+        pairs = [(a["arg_0"], a["arg_1"]) for a in row["arguments"].values()]
+        got = [float(r[0][0]) for r in row["resps"]]
+        want = [_loglikelihood(hf_smollm2, tok, ctx, cont) for ctx, cont in pairs]
+        assert got == pytest.approx(want, abs=2e-3), (row["doc"], got, want)
+        right += int(max(range(len(want)), key=want.__getitem__) == row["doc"]["answer"])
+    assert reported == pytest.approx(right / len(FACTS)) and 0 < right < len(FACTS)
+
+
+def _loglikelihood(model: Any, tok: Tokenizer, context: str, continuation: str) -> float:
+    """HF's log-probability of ``continuation`` after ``context``, tokenized as lm-eval does (the whole
+    text, then the context's tokens cut off the front)."""
+    whole, ctx = tok.encode(context + continuation), tok.encode(context)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), -1)
+    return float(sum(logp[j - 1, whole[j]] for j in range(len(ctx), len(whole))))
