@@ -142,3 +142,29 @@ def test_cancels_at_every_phase_and_eviction_during_transfers_leave_nothing_held
         assert c.decode.page_stats().pinned == 0 and c.decode.page_stats().used == 0
     finally:
         c.stop()
+
+
+def test_n_choices_prefill_and_move_the_prompt_once(tiny_engine_dir: Dirs) -> None:
+    """``n`` = 4 as the router runs it (``frontend/choices.py``): the first choice alone, the other three
+    after its first token on the same decode group. The prompt's full pages are computed and moved once:
+    each other choice moves and computes only the prompt's last partial page (its 2 tokens here), and the
+    decoder counts the full pages as its own cache hit."""
+    prompt = prompt_of(103, 11)  # KV of 102 tokens: 25 full 4-token pages + 2 tokens
+    c = cluster(tiny_engine_dir, groups=1)
+    sent = sent_bytes(c)
+    prefill = c.prefills[0].engine
+    try:
+        lead = c.run({"a": prompt})["a"]
+        queried = prefill.cache_stats().queries
+        hits = prefill.cache_stats().hits
+        rest = c.run({"b": prompt, "c": prompt, "d": prompt})
+        wait_for(c.settled, what="every page back")
+        page = sent["a"] // 26
+        assert sent["a"] == 26 * page and lead.cached_tokens == 0
+        assert [sent[r] for r in "bcd"] == [page] * 3  # the partial page, once per other choice
+        assert [rest[r].cached_tokens for r in "bcd"] == [100] * 3  # the decoder's hit: every full page
+        computed = (prefill.cache_stats().queries - queried) - (prefill.cache_stats().hits - hits)
+        assert computed == 3 * 2  # the prefill node computed the partial page's 2 tokens per other choice
+        assert all(rest[r].output_ids == lead.output_ids for r in "bcd")  # greedy: the same tokens
+    finally:
+        c.stop()
