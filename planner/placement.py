@@ -97,6 +97,13 @@ class PlacementSpec(BaseModel):
     overhead_s: float = Field(
         default=0.02, ge=0, description="fixed cost of a remote prefill's round trip (the call, the notification)"
     )
+    local_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="a prompt with at most this many tokens past the decoder's prefix-cache hit is prefilled on the "
+        "decode node in every mode (Dynamo's max_local_prefill_length): a warm chat turn's or another choice's "
+        "last page moves nothing; 0: off",
+    )
 
     @model_validator(mode="after")
     def _profile_for_auto(self) -> PlacementSpec:

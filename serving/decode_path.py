@@ -136,8 +136,14 @@ class KVFetcher:
         return Placement.HOLD if self._queued else Placement.REMOTE
 
     def _local(self, request_id: str, prompt_tokens: int, load: EngineLoad) -> bool:
-        """The placement rule: prefill this prompt on this engine (True) or at a prefill group."""
+        """The placement rule: prefill this prompt on this engine (True) or at a prefill group.
+        ``prompt_tokens``: those past the decoder's cache hit (at most ``local_max_tokens``: here)."""
         mode = self.placement.mode
+        if prompt_tokens <= self.placement.local_max_tokens:
+            self.local_prefills += 1
+            if self.tracer is not None:
+                self.tracer.mark(request_id, "placed", where="local", uncached_tokens=prompt_tokens)
+            return True
         if mode is PrefillPlacement.REMOTE:
             return False
         groups = [g for g in range(len(self.groups)) if self.router.available(g)]

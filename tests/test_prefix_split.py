@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv_messenger.prefill_side import PrefillOutcome
+from planner.placement import PlacementSpec
 from tests.helpers import prompt_of, tiny_engine
 from tests.split_harness import GREEDY, Cluster, cluster, wait_for
 from torch_engine.engine import LLMEngine
@@ -166,5 +167,25 @@ def test_n_choices_prefill_and_move_the_prompt_once(tiny_engine_dir: Dirs) -> No
         computed = (prefill.cache_stats().queries - queried) - (prefill.cache_stats().hits - hits)
         assert computed == 3 * 2  # the prefill node computed the partial page's 2 tokens per other choice
         assert all(rest[r].output_ids == lead.output_ids for r in "bcd")  # greedy: the same tokens
+    finally:
+        c.stop()
+
+
+def test_a_small_remainder_is_prefilled_on_the_decoder(tiny_engine_dir: Dirs) -> None:
+    """``placement.local_max_tokens``: a prompt with that few tokens past the decoder's hit is prefilled on
+    the decode node (remote mode otherwise): ``n`` = 4's other choices move nothing and reach no prefill
+    node; a cold prompt still goes remote; the tokens are the same."""
+    prompt = prompt_of(103, 11)
+    c = cluster(tiny_engine_dir, groups=1, placement=PlacementSpec(local_max_tokens=4))
+    sent = sent_bytes(c)
+    prefill = c.prefills[0].engine
+    try:
+        lead = c.run({"a": prompt})["a"]
+        queried = prefill.cache_stats().queries
+        rest = c.run({"b": prompt, "c": prompt, "d": prompt})
+        wait_for(c.settled, what="every page back")
+        assert sent["a"] > 0 and not any(r in sent for r in "bcd")  # the lead went remote, the others stayed
+        assert prefill.cache_stats().queries == queried
+        assert all(rest[r].output_ids == lead.output_ids and rest[r].cached_tokens == 100 for r in "bcd")
     finally:
         c.stop()
