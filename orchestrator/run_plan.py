@@ -25,6 +25,7 @@ from orchestrator.triton import (
     Ports,
     Restriction,
     TritonInstall,
+    node_repository,
     shm_prefix,
     stub_environment,
     triton_command,
@@ -195,8 +196,11 @@ class Renderer:
             gpu = [f"CUDA_VISIBLE_DEVICES={slot.gpu}"] if slot.gpu is not None else []
             if slot.is_leader:
                 log_file = self.run_dir / "logs" / f"{slot.name}.triton.log"
+                repo = REPO_ROOT / "model_repo"
+                if self.auth_key is not None:  # no model control: the node's own models, all loaded
+                    repo = node_repository(repo, self.models(slot), self.run_dir / "models" / slot.name)
                 argv = triton_command(
-                    self.install, REPO_ROOT / "model_repo", self.backends, bind_address(cfg, slot),
+                    self.install, repo, self.backends, bind_address(cfg, slot),
                     self.ports[slot.mpi_rank], self.models(slot), shm_prefix(shm_owner(self.run_id, slot, generation)),
                     log_file, self.restriction(slot),
                 )  # fmt: skip
@@ -230,13 +234,13 @@ class Renderer:
         return (Model.LLM, Model.ENSEMBLE) if has_tokenizer else (Model.DECODE,)
 
     def restriction(self, slot: RankSlot) -> Restriction | None:
-        """Model control and inference on every node: only callers with the key — the deployment's own
+        """No model control on any node, and inference only for callers with the key — the deployment's own
         (decode -> prefill, the router -> decode) and clients given it (``RUN_DIR/secret``). A prefill
         request makes a node write into decode memory; a decode node's ``stop`` aborts live requests."""
         if self.auth_key is None:
             return None
         del slot  # the same on every node
-        return Restriction(("model-repository", "inference"), self.auth_key)
+        return Restriction(self.auth_key)
 
     def environment(self) -> dict[str, str]:
         """What every rank needs: the Triton stub's environment, and this run's id (to find its processes)."""
@@ -339,7 +343,7 @@ class Renderer:
 
 
 def write_group(group: GroupPlan, secret: bool) -> None:
-    """A group's node configs and script (owner-only when the deployment has a secret: it is in them)."""
+    """A group's node configs (owner-only: they may carry the key) and script (owner-only with a secret)."""
     for path, node in group.nodes.items():
         node.dump(path)
     group.script_path.write_text(group.script, encoding="utf-8")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.node_config import AUTH_HEADER, NODE_CONFIG_ENV
+from serving.auth import FORWARD_PATTERN
+from serving.node_config import NODE_CONFIG_ENV
 from serving.ports import free_port, port_free
 
 __all__ = ["NODE_CONFIG_ENV", "Ports", "TritonServer", "free_port", "port_free"]
@@ -101,11 +103,16 @@ def triton_command(
 ) -> list[str]:
     """``tritonserver`` bound to ``host``, explicit model control loading ``models``; the Python backend's
     shared-memory regions are named ``shm_prefix...`` so that ``remove_shm`` finds what a killed stub left.
-    With ``restrict``, its protocols (gRPC and HTTP) answer only calls that carry the key."""
-    locks = []
+    Locked (``restrict``): no model control at all (``model_repo`` must be the node's own, ``node_repository``:
+    Triton loads all of it and refuses every load / unload / index call), and the key's header forwarded into
+    each request's parameters, where the backend checks it (``serving.auth``) — the key itself is never on
+    the command line."""
     if restrict is not None:
-        spec = f"{','.join(restrict.protocols)}:{AUTH_HEADER}={restrict.key}"
-        locks = [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
+        control = ["--model-control-mode=none"]
+        locks = [f"--grpc-header-forward-pattern={FORWARD_PATTERN}", f"--http-header-forward-pattern={FORWARD_PATTERN}"]
+    else:
+        control = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]
+        locks = []
     return [
         str(install.binary),
         f"--model-repository={model_repo}",
@@ -119,8 +126,7 @@ def triton_command(
         "--allow-metrics=true",
         "--log-verbose=0",
         *([f"--log-file={log_file}"] if log_file is not None else []),
-        "--model-control-mode=explicit",
-        *(f"--load-model={m}" for m in models),
+        *control,
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
         *locks,
     ]
@@ -128,10 +134,26 @@ def triton_command(
 
 @dataclass(frozen=True, slots=True)
 class Restriction:
-    """Triton protocols that answer only calls carrying ``AUTH_HEADER: key``."""
+    """A locked node: model control off, inference only for calls carrying ``AUTH_HEADER: key`` (checked
+    by the backend against its node config's key; ``key`` is kept here only to say which)."""
 
-    protocols: tuple[str, ...]
     key: str
+
+
+def node_repository(model_repo: Path, models: tuple[str, ...], dest: Path) -> Path:
+    """``dest`` holding links to ``models`` of ``model_repo`` and the steps their ensembles run: what a
+    node without model control loads, all of it."""
+    wanted, todo = set(), list(models)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += re.findall(r'model_name:\s*"([^"]+)"', (model_repo / name / "config.pbtxt").read_text())
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in sorted(wanted):
+        (dest / name).symlink_to((model_repo / name).resolve(), target_is_directory=True)
+    return dest
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int:

@@ -7,6 +7,7 @@ backend finds it through the one environment variable it reads, ``NODE_CONFIG_EN
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -145,4 +146,8 @@ class NodeConfig(_Frozen):
         return cls.model_validate(yaml.safe_load(text))
 
     def dump(self, path: Path) -> None:
-        path.write_text(yaml.safe_dump(self.model_dump(mode="json")), encoding="utf-8")
+        """Owner-only (0600, from its creation on): it may carry the deployment's key."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(yaml.safe_dump(self.model_dump(mode="json")))

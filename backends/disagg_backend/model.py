@@ -38,6 +38,7 @@ from pydantic import ValidationError
 
 from kv_messenger.prefill_side import PrefillOutcome
 from serving import codecs
+from serving.auth import UNAUTHORIZED, authorized, key_parameters
 from serving.batch_adapter import IGNORED, log_prob_outputs, text_output, unbatch
 from serving.codecs import DecodePiece
 from serving.decode_loop import DecodeLoop
@@ -77,9 +78,22 @@ class TritonPythonModel:
             BackendRole.BATCH_ADAPTER: BatchAdapter,
         }
         self.role = roles[role](node)
+        self.key = node.auth_key
+        self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(config))
 
     def execute(self, requests: list[Request]) -> list[Response] | None:
-        return self.role.execute(requests)
+        """The role's answers; with a deployment key, a request without it is refused first (``serving.auth``)."""
+        key = self.key
+        refused = {i for i, r in enumerate(requests) if key is not None and not authorized(r.parameters(), key)}
+        if not refused:
+            return self.role.execute(requests)
+        allowed = [r for i, r in enumerate(requests) if i not in refused]
+        if self.decoupled:
+            for i in sorted(refused):
+                requests[i].get_response_sender().send(_error(UNAUTHORIZED), flags=FINAL)
+            return self.role.execute(allowed) if allowed else None
+        answers = iter(self.role.execute(allowed) or [] if allowed else [])
+        return [_error(UNAUTHORIZED) if i in refused else next(answers) for i in range(len(requests))]
 
     def finalize(self) -> None:
         self.role.finalize()
@@ -253,6 +267,7 @@ class BatchAdapter(_Role):
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
+        self.key = node.auth_key  # passed on to llm and decode (BLS)
         self._ids = itertools.count()
         self._room = threading.BoundedSemaphore(node.limits.max_pending + node.engine.scheduler.max_num_seqs)
 
@@ -288,12 +303,13 @@ class BatchAdapter(_Role):
             inputs=inputs,
             requested_output_names=[Tensor.TEXT_OUTPUT, Tensor.OUTPUT_LOG_PROBS],
             request_id=inner_id,
+            parameters=key_parameters(self.key),
         )
         cumulative, failed, stopped = 0.0, False, False
         for response in inner.exec(decoupled=True):  # ends after llm's final response
             if not stopped and sender.is_cancelled():
                 stopped = True  # this Triton cannot cancel a BLS request: stop it on the decode model
-                _stop(inner_id)
+                _stop(inner_id, self.key)
             if failed or stopped:
                 continue
             if response.has_error():
@@ -319,13 +335,14 @@ class BatchAdapter(_Role):
             sender.send(flags=FINAL)
 
 
-def _stop(request_id: str) -> None:
+def _stop(request_id: str, key: str | None) -> None:
     """TensorRT-LLM's stop request to this node's ``decode`` model: it aborts the requests ``request_id`` names."""
     stop = pb_utils.InferenceRequest(
         model_name=Model.DECODE.value,
         inputs=_tensors(codecs.encode_stop()),
         requested_output_names=[],
         request_id=request_id,
+        parameters=key_parameters(key),
     )
     for _ in stop.exec(decoupled=True):
         pass

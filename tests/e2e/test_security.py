@@ -1,11 +1,14 @@
-"""A locked-down deployment (``security.restrict``; on by default off loopback): Triton's model
-repository and inference protocols on every node answer only calls that carry the deployment's key,
-which its own callers (decode -> prefill, the router -> decode) send; a client without it can neither
-generate on a decode node nor stop another client's request there."""
+"""A locked-down deployment (``security.restrict``; on by default off loopback): no node has model
+control, and every node answers inference only to calls that carry the deployment's key, which its own
+callers (decode -> prefill, the router -> decode) send; a client without it can neither generate on a
+decode node nor stop another client's request there; the key is on no command line."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
+import queue
 import stat
 import time
 import urllib.error
@@ -21,6 +24,7 @@ from kv_messenger.protocol import PrefillRequest
 from orchestrator.launch import Launch, run_processes
 from serving.names import Model, Tensor
 from serving.node_config import AUTH_HEADER, GRPC_AUTH_HEADER
+from serving.ports import free_port
 from tests.deploy_harness import cluster, deployed, grpc_url, listening, run_ids
 from tests.helpers import prompt_of, tiny_engine
 from torch_engine.config import Role
@@ -51,7 +55,8 @@ def test_restricted_protocols_need_the_deployment_key(tiny_engine_dir, tmp_path:
         _model_control_refused(decode.ports.grpc, decode.ports.http, decode.models[0], launch.auth_key)
         _model_control_refused(prefill.ports.grpc, prefill.ports.http, Model.PREFILL, launch.auth_key)
         _prefill_request_refused(launch, prefill.ports.grpc, prefill.ports.metrics)
-        _decode_inference_refused(grpc_url(launch))
+        _decode_inference_refused(grpc_url(launch), decode.models)
+        _no_secret_in_sight(launch, launch.auth_key)
         again = run_ids(grpc_url(launch), prompts[:1], 6, key=launch.auth_key)  # still serving
         ranks = list(run_processes(launch.run_id))
         exposed = [(pid, a, port) for pid, a, port in listening(ranks) if not loopback(a)]
@@ -60,23 +65,35 @@ def test_restricted_protocols_need_the_deployment_key(tiny_engine_dir, tmp_path:
 
 
 def _model_control_refused(grpc_port: int, http_port: int, model: str, key: str) -> None:
+    """A locked node has no model control: load, unload and the repository index are refused with the
+    key or without it, and the model stays loaded."""
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
     try:
-        with pytest.raises(InferenceServerException, match=r"(?i)restricted|unauthorized|permission"):
-            client.unload_model(model)
-        with pytest.raises(InferenceServerException):
-            client.unload_model(model, headers={GRPC_AUTH_HEADER: "wrong"})
-        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/models/{model}/unload", b"{}")
-        with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(req, timeout=10)
-        keyed = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/index", b"{}", {AUTH_HEADER: key})
-        with urllib.request.urlopen(keyed, timeout=10) as r:  # HTTP takes the header as it is
-            assert r.status == 200
+        for headers in (None, {GRPC_AUTH_HEADER: "wrong"}, {GRPC_AUTH_HEADER: key}):
+            with pytest.raises(InferenceServerException):
+                client.unload_model(model, headers=headers)
+            with pytest.raises(InferenceServerException):
+                client.load_model(model, headers=headers)
+        for headers in ({}, {AUTH_HEADER: key}):
+            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/models/{model}/unload", b"{}",
+                                         headers)  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(req, timeout=10)
         assert client.is_model_ready(model)  # nothing was unloaded
-        index = client.get_model_repository_index(headers={GRPC_AUTH_HEADER: key})  # the key opens it
-        assert any(m.name == model for m in index.models)
     finally:
         client.close()
+
+
+def _no_secret_in_sight(launch: Launch, key: str) -> None:
+    """The key is on no process's command line (``/proc/<pid>/cmdline`` is readable by every local
+    user) and in no rendered script; the files that hold it are the owner's alone."""
+    for pid in run_processes(launch.run_id):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+    for script in launch.run_dir.glob("*.sh"):
+        assert key not in script.read_text(), script
+    for held in (launch.run_dir / "secret", *(launch.run_dir / "nodes").glob("*.yaml")):
+        assert stat.S_IMODE(held.stat().st_mode) & 0o077 == 0, held
 
 
 def loopback(address: str) -> bool:
@@ -85,22 +102,28 @@ def loopback(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _decode_inference_refused(url: str) -> None:
+def _decode_inference_refused(url: str, served: tuple[str, ...]) -> None:
     """Without the key, or with a wrong one, a client can neither generate on the decode node (the
-    ``llm`` ensemble, ``decode``) nor ``stop`` live requests there by guessing their ids: Triton
-    refuses the call before it reaches a model (the inference protocol is restricted)."""
-    client = grpcclient.InferenceServerClient(url)
+    ``llm`` ensemble, ``decode``) nor ``stop`` live requests there by guessing their ids: the node refuses
+    the request before it does anything (``serving.auth``: Triton forwards the key's header)."""
     stop = grpcclient.InferInput(Tensor.STOP, [1], "BOOL")
     stop.set_data_from_numpy(np.array([True]))
     text = grpcclient.InferInput(Tensor.TEXT_INPUT, [1], "BYTES")
     text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
-    try:
-        for headers in (None, {GRPC_AUTH_HEADER: "wrong"}):
-            for model, inputs in ((Model.DECODE, [stop]), (Model.LLM, [text])):
-                with pytest.raises(InferenceServerException, match=r"(?i)restricted|unauthorized|permission"):
-                    client.infer(model, inputs, request_id="r0", headers=headers)
-    finally:
-        client.close()
+    for headers in (None, {GRPC_AUTH_HEADER: "wrong"}):
+        for model, inputs in ((Model.DECODE, [stop]), (Model.LLM, [text])):
+            if model not in served and model is not Model.DECODE:  # a tokenizer-less engine serves ids on decode
+                continue
+            got: queue.Queue[object] = queue.Queue()
+            client = grpcclient.InferenceServerClient(url)
+            try:
+                client.start_stream(callback=lambda result, error, out=got: out.put(error or result), headers=headers)
+                client.async_stream_infer(model, inputs, request_id="r0")
+                first = got.get(timeout=30)
+            finally:
+                client.stop_stream()
+                client.close()
+            assert isinstance(first, InferenceServerException) and "unauthorized" in str(first), (model, first)
 
 
 def _prefill_request_refused(launch: Launch, grpc_port: int, metrics_port: int) -> None:
@@ -122,3 +145,62 @@ def _prefill_request_refused(launch: Launch, grpc_port: int, metrics_port: int) 
     while _metric(metrics_port, "disagg_live_records") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _metric(metrics_port, "disagg_live_records") == 0  # the intruder's request left no trace
+
+
+def test_a_locked_deployment_serves_every_client_facing_model_with_the_key(smollm2_dir: Path, tmp_path: Path) -> None:
+    """SmolLM2 locked down behind the router: the router's calls carry the key; TensorRT-LLM's ``ensemble``
+    (whose BLS call to ``llm`` passes the key on) and the ``llm`` ensemble (whose steps get the forwarded
+    key) answer a client that sends it and refuse one that does not."""
+    group = {"count": 1, "tp": 1, "engine_dir": str(smollm2_dir), "num_pages": 128}
+    router = {"enabled": True, "port": free_port(), "api_key": "router-key"}
+    cfg = cluster(
+        tmp_path, mode="colocated", prefill={"count": 0}, decode=group, security={"restrict": "on"}, router=router
+    )
+    with deployed(cfg) as launch:
+        assert launch.prepared is not None and launch.prepared.router_url is not None and launch.auth_key
+        body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4}).encode()
+        auth = {"Authorization": "Bearer router-key", "Content-Type": "application/json"}
+        req = urllib.request.Request(f"{launch.prepared.router_url}/completions", body, auth)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+        url = grpc_url(launch)
+        prompt = np.array([[b"The capital of France is"]], dtype=np.object_)
+        batched = {Tensor.TEXT_INPUT: prompt, "max_tokens": np.array([[4]], dtype=np.int32)}
+        plain = {Tensor.TEXT_INPUT: prompt[0], "max_tokens": np.array([4], dtype=np.int32)}
+        for model, inputs in ((Model.ENSEMBLE, batched), (Model.LLM, plain)):
+            text, error = _stream(url, model, inputs, {GRPC_AUTH_HEADER: launch.auth_key})
+            assert error is None and text, (model, error)
+            _, refused = _stream(url, model, inputs, None)
+            assert refused is not None and "unauthorized" in refused, (model, refused)
+        _no_secret_in_sight(launch, launch.auth_key)
+
+
+def _stream(
+    url: str, model: str, inputs: dict[str, np.ndarray], headers: dict[str, str] | None
+) -> tuple[str, str | None]:
+    """(the text, the first error) of one streamed request."""
+    kinds = {"object": "BYTES", "int32": "INT32"}
+    tensors = []
+    for name, arr in inputs.items():
+        t = grpcclient.InferInput(name, list(arr.shape), kinds[str(arr.dtype)])
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    got: queue.Queue[tuple[object, object]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    text: list[str] = []
+    try:
+        client.start_stream(callback=lambda result, error: got.put((result, error)), headers=headers)
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                return "".join(text), str(error)
+            assert isinstance(result, grpcclient.InferResult)
+            out = result.as_numpy(Tensor.TEXT_OUTPUT)
+            if out is not None:
+                text += [x.decode() for x in out.reshape(-1)]
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return "".join(text), None
+    finally:
+        client.stop_stream()
+        client.close()
