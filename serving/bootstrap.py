@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,6 +40,9 @@ from serving.prefill_client import PrefillGroup
 from serving.registry import GroupKey, GroupRecord, Member, Membership, Registry
 from serving.tp_group import GroupChannel, GroupDecodeSide, GroupPrefillSide
 from torch_engine.config import Role
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 from torch_engine.connector import ConnectorPort
 from torch_engine.engine import LLMEngine
 from torch_engine.parallel import TPGroup
@@ -136,14 +141,31 @@ def _tp_group(node: NodeConfig, first: list[Announcement]) -> TPGroup:
         import torch
 
         torch.cuda.set_device(0)
+    timeout = datetime.timedelta(seconds=node.timeouts.tp_collective_s)  # idle groups heartbeat every second
+    store = _rendezvous(lead.host, lead.tp_port, node.tp_rank, node.tp_size, timeout)
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"tcp://{lead.host}:{lead.tp_port}",
-        rank=node.tp_rank,
-        world_size=node.tp_size,
-        timeout=datetime.timedelta(seconds=node.timeouts.tp_collective_s),  # idle groups heartbeat every second
+        "nccl" if cuda else "gloo", store=store, rank=node.tp_rank, world_size=node.tp_size, timeout=timeout
     )
     return TPGroup(node.tp_rank, node.tp_size)
+
+
+_LISTENERS: list[socket.socket] = []  # the rendezvous servers' sockets: open as long as the process
+
+
+def _rendezvous(host: str, port: int, rank: int, size: int, timeout: datetime.timedelta) -> Store:
+    """The TP group's TCPStore at its leader's ``host:port``. The leader's server listens on a socket
+    bound to ``host`` (torch's own binds every interface, ``::``), handed over as ``master_listen_fd``."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(host, port, size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(size * 4)
+    _LISTENERS.append(sock)
+    return dist.TCPStore(host, port, size, True, timeout, master_listen_fd=sock.fileno())
 
 
 def _messenger_side(node: NodeConfig, engine: ConnectorPort) -> PrefillSide | DecodeSide | None:

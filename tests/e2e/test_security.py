@@ -204,3 +204,17 @@ def _stream(
     finally:
         client.stop_stream()
         client.close()
+
+
+def test_a_tp_group_bound_to_loopback_listens_on_loopback_only(tiny_engine_dir, tmp_path: Path) -> None:
+    """TP 2 groups (their torch.distributed rendezvous and gloo pairs, the KV messenger's UCX, MPI) on a
+    deployment bound to loopback: every socket any of its processes listens on is a loopback one."""
+    engine_dir = tiny_engine_dir("llama", 2)
+    group = {"count": 1, "tp": 2, "engine_dir": str(engine_dir), "num_pages": 64}
+    cfg = cluster(tmp_path, mode="disaggregated", prefill=group, decode=group, page_size=4)
+    with deployed(cfg) as launch:
+        got = run_ids(grpc_url(launch), [prompt_of(9, 3)], 4)
+        assert got[0].token_ids
+        ranks = [p for p in run_processes(launch.run_id) if "prterun" not in Path(f"/proc/{p}/cmdline").read_text()]
+        exposed = [(pid, a, port) for pid, a, port in listening(ranks) if not loopback(a)]
+        assert not exposed, f"bound to loopback, yet listening on another address: {exposed}"
