@@ -270,3 +270,17 @@ def test_a_native_template_renders_the_tools_and_the_history(smollm2_dir: Path, 
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "tool\n-3 C" in text and text.endswith("assistant\n")
     assert "You may call these functions" not in text  # the template listed them, not the router
+
+
+def test_each_streamed_choice_reads_its_own_calls(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``n`` = 2 streamed with tools: every choice's deltas carry its own call (ids differ), under its index."""
+    ask = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "n": 2, "stream": True}
+    ((status, events),), _, _ = chat(smollm2_dir, monkeypatch, HERMES_REPLY, [ask])
+    assert status == 200
+    for index in (0, 1):
+        deltas = [c for e in events for c in e["choices"] if c["index"] == index]
+        pieces = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+        assert deltas[-1]["finish_reason"] == "tool_calls" and pieces[0]["function"]["name"] == "get_weather"
+        assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {"city": "Paris", "unit": "celsius"}
+    heads = [t["id"] for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or [] if "id" in t]
+    assert len(heads) == 2 and len(set(heads)) == 2
