@@ -79,7 +79,7 @@ class TritonPythonModel:
         }
         self.role = roles[role](node)
         self.key = node.auth_key
-        self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(config))
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
 
     def execute(self, requests: list[Request]) -> list[Response] | None:
         """The role's answers; with a deployment key, a request without it is refused first (``serving.auth``)."""
