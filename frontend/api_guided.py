@@ -172,16 +172,17 @@ class NamedToolChoice(BaseModel):
     function: ToolName
 
 
-def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
-    """The JSON a tool call is written as: ``{"name": <one of the tools>, "arguments": <its parameters>}``."""
+def tool_call_schema(tools: list[Tool], args: str = "arguments") -> dict[str, Any]:
+    """The JSON a tool call is written as: ``{"name": <one of the tools>, <args>: <its parameters>}``
+    (``args``: "parameters" for Llama 3's format)."""
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                args: t.function.parameters or {"type": "object"},
             },
-            "required": ["name", "arguments"],
+            "required": ["name", args],
             "additionalProperties": False,
         }
         for t in tools

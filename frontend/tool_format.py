@@ -100,9 +100,8 @@ def messages_for(
 def auto_guide(tools: list[Tool], fmt: ToolFormat) -> Guide | None:
     """The grammar of a reply that may call ``tools``: free text until a call opens, then one of the
     functions with arguments that satisfy its schema (None: ``fmt``'s calls are not enforced)."""
-    schema = {**tool_call_schema(tools), "x-guidance": dict(JSON_OPTIONS)}
-    if fmt is ToolFormat.LLAMA3_JSON:
-        schema = _renamed(tools)
+    args = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
+    schema = {**tool_call_schema(tools, args), "x-guidance": dict(JSON_OPTIONS)}
     body = f"%json {json.dumps(schema)}"
     if fmt is ToolFormat.HERMES:
         grammar = (
@@ -117,20 +116,3 @@ def auto_guide(tools: list[Tool], fmt: ToolFormat) -> Guide | None:
     else:
         return None
     return Guide(GuideKind.LARK, grammar)
-
-
-def _renamed(tools: list[Tool]) -> dict[str, Any]:
-    """Llama 3's call object: ``{"name", "parameters"}``."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "parameters": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": dict(JSON_OPTIONS)}

@@ -220,7 +220,6 @@ class CallReader:
         self._scanner: _CallScanner | None = None
         self._headed = False  # the current call's header went out
         self.calls = 0  # calls whose header went out
-        self.content_sent = False
 
     def feed(self, text: str) -> Read:
         out = Read()
@@ -357,6 +356,4 @@ class CallReader:
         return HERMES_OPEN if self.fmt is ToolFormat.HERMES else ""
 
     def _content(self, out: Read, text: str) -> None:
-        if text:
-            out.content += text
-            self.content_sent = True
+        out.content += text
