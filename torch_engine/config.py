@@ -218,6 +218,12 @@ class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=32, ge=1, description="requests in one step")
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget per step")
     max_prefill_chunk: int = Field(default=512, ge=1, description="chunked prefill: largest chunk of one request")
+    head_of_line_steps: int = Field(
+        default=100,
+        ge=0,
+        description="a waiting request refused pages for its next chunk is passed by later ones that fit for this "
+        "many steps, then by none (0: strict arrival order)",
+    )
 
 
 class SpecMethod(enum.StrEnum):

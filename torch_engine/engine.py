@@ -98,7 +98,7 @@ class LLMEngine:
         propose = self._spec.propose if self._spec.drafts else None
         self._scheduler = Scheduler(
             self._allocator, self._page_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_prefill_chunk, propose,
-            self._cache,
+            self._cache, s.head_of_line_steps,
         )  # fmt: skip
         self._runner = ModelRunner(self._model, self._kv, self._progress, self._tp, self._device, self._max_model_len)
         if graphs:

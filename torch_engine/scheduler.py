@@ -1,7 +1,10 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Queues:
-    waiting   deque  admitted FCFS when the pages for its next chunk can be allocated
+    waiting   deque  admitted in arrival order when the pages for its next chunk can be allocated;
+                     one that cannot get them is passed by later ones that can (looking at most
+                     ``BYPASS_SCAN`` past it) until it has been blocked ``head_of_line_steps``
+                     steps: from then on nothing passes it (no starvation)
     running   list   has pages; each step gets a decode token or the next prefill chunk
     kv_wait   dict   WAITING_FOR_KV: pages reserved and pinned, KV arriving from elsewhere
     prefilled dict   PREFILLED: prefill-only requests whose pages await ``release``
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from torch_engine.pages import PageAllocator
 from torch_engine.prefix_cache import PrefixCache
 from torch_engine.request import FinishReason, Request, RequestKind, RequestState
+
+BYPASS_SCAN = 4  # blocked waiting requests a later one may pass in one step
 
 # speculative decoding: (request, room, running requests) -> up to ``room`` draft tokens for a
 # request about to sample (``Speculator.propose``)
@@ -80,6 +85,7 @@ class Scheduler:
         max_prefill_chunk: int,
         propose: Propose | None = None,
         cache: PrefixCache | None = None,
+        head_of_line_steps: int = 0,
     ) -> None:
         self.allocator = allocator
         self.page_size = page_size
@@ -88,6 +94,8 @@ class Scheduler:
         self.max_chunk = max_prefill_chunk
         self.propose = propose
         self.cache = cache
+        self.head_of_line_steps = head_of_line_steps
+        self._blocked_since: dict[str, int] = {}  # waiting request -> the step it was first refused pages
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.kv_wait: dict[str, Request] = {}
@@ -161,6 +169,7 @@ class Scheduler:
         """Take ``req`` out of every queue and free its pages (pinned ones when unpinned)."""
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
+            self._blocked_since.pop(req.request_id, None)
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
         elif req.state is RequestState.WAITING_FOR_KV:
@@ -191,28 +200,46 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed, n + len(draft), draft))
             scheduled.add(req.request_id)
             budget -= n + len(draft)
-        while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs:
-            req = self.waiting[0]
-            hit = self.cache.match(req) if self.cache is not None else []
-            start = len(hit) * self.page_size
-            n = min(req.compute_target - start, budget, self.max_chunk)
-            need = self.pages_for(start + n) - len(hit)
-            if not self.allocator.can_allocate(need + self.allocator.revivals(hit)):
-                break  # admission control: wait for pages
-            self.waiting.popleft()
-            self.allocator.share(hit)  # before allocating: a hit page is never the one evicted
-            req.pages = hit + self.allocator.allocate(need)
-            req.num_computed, req.cache_registered = start, len(hit)
-            if req.cached_tokens is None:
-                req.cached_tokens = start
-                if self.cache is not None:
-                    self.cache.count(req, len(hit))
-            req.state = RequestState.RUNNING
-            self.running.append(req)
-            chunks.append(ScheduledChunk(req, start, n))
-            budget -= n
+        self._admit(chunks, budget)
         self.steps += 1
         return SchedulerOutput(self.steps, chunks)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Admit waiting requests whose next chunk gets pages, in arrival order; one refused pages is
+        passed (up to ``BYPASS_SCAN`` of them) unless it has been refused for ``head_of_line_steps``."""
+        i = passed = 0
+        while i < len(self.waiting) and budget > 0 and len(chunks) < self.max_num_seqs:
+            req = self.waiting[i]
+            chunk = self._start(req, budget)
+            if chunk is None:  # no pages for its next chunk
+                since = self._blocked_since.setdefault(req.request_id, self.steps)
+                if self.steps - since >= self.head_of_line_steps or passed == BYPASS_SCAN:
+                    break  # it has waited long enough: nothing behind it goes first
+                i, passed = i + 1, passed + 1
+                continue
+            del self.waiting[i]
+            self._blocked_since.pop(req.request_id, None)
+            chunks.append(chunk)
+            budget -= chunk.length
+
+    def _start(self, req: Request, budget: int) -> ScheduledChunk | None:
+        """Give a waiting request its cached prefix and pages for its next chunk (None: not enough)."""
+        hit = self.cache.match(req) if self.cache is not None else []
+        start = len(hit) * self.page_size
+        n = min(req.compute_target - start, budget, self.max_chunk)
+        need = self.pages_for(start + n) - len(hit)
+        if not self.allocator.can_allocate(need + self.allocator.revivals(hit)):
+            return None  # admission control: wait for pages
+        self.allocator.share(hit)  # before allocating: a hit page is never the one evicted
+        req.pages = hit + self.allocator.allocate(need)
+        req.num_computed, req.cache_registered = start, len(hit)
+        if req.cached_tokens is None:
+            req.cached_tokens = start
+            if self.cache is not None:
+                self.cache.count(req, len(hit))
+        req.state = RequestState.RUNNING
+        self.running.append(req)
+        return ScheduledChunk(req, start, n)
 
     def _draft(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """Draft tokens for a request whose chunk samples: as many as the budget and the free pages
