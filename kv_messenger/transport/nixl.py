@@ -3,10 +3,13 @@
 Exercised here: UCX on CPU memory (DRAM) between processes of one machine. Not exercised:
 LIBFABRIC (needs EFA hardware), VRAM registration (needs a GPU).
 
-Every call into the agent holds one lock: the messenger thread polls it while the serving loop's
-thread refuses requests (``send_notif``), connects restarted peers (``add_peer``) and closes it; a
-UCX worker is not safe to enter from two threads at once (an unserialised run segfaulted inside
-``uct_tcp_iface_progress`` under the reliability soak).
+Several threads use one agent: the messenger thread polls it while the serving loop's thread
+refuses requests (``send_notif``), connects restarted peers (``add_peer``) and closes it. A UCX
+worker is not safe to enter from two threads at once (an unserialised run segfaulted inside
+``uct_tcp_iface_progress`` under the reliability soak), so the agent is created in NIXL's strict
+thread-safe mode (``NIXL_THREAD_SYNC_STRICT``: the agent serialises its own calls; the default
+without a listener thread is ``NONE``), and every call from here also holds this transport's lock,
+which covers the Python wrapper's own state (its notification dictionary) between calls.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ class NixlTransport:
     ) -> None:
         backend = NixlBackend(backend)  # a plain string names a backend too; unknown ones are a ValueError
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
+            from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
-            raise RuntimeError("NIXL is not installed: pip install nixl-cu12") from exc
+            raise RuntimeError("NIXL with thread-sync modes is not installed: pip install 'nixl-cu12>=1.5'") from exc
         self.name = name
         self.faults = faults or FaultInjector()
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend.value]))
+        sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # see the module docstring
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend.value], sync_mode=sync)
+        self.sync_mode = sync.name
+        self._agent = nixl_agent(name, conf)
         self._mem_type = "DRAM"
         self._registered: list[object] = []
         self._done = object()  # handle of a transfer the fault injector dropped

@@ -74,3 +74,53 @@ def test_nixl_pages_byte_identical(nodes, sc: Scenario, request) -> None:
     finally:
         pre.call("close")
         dec.call("close")
+
+
+def test_one_agent_used_from_two_threads_at_once() -> None:
+    """The messenger thread writes and polls while the serving loop's thread sends refusals: the
+    agents run in NIXL's strict thread-safe mode, every write lands whole, no notification is lost."""
+    import threading
+    import time
+
+    import torch
+
+    from kv_messenger.transport.base import TransferState
+    from kv_messenger.transport.nixl import NixlTransport
+
+    a, b = NixlTransport("threads-a"), NixlTransport("threads-b")
+    assert a.sync_mode == b.sync_mode == "NIXL_THREAD_SYNC_STRICT"
+    src = torch.arange(256, dtype=torch.uint8).repeat(256)
+    dst = torch.zeros_like(src)
+    a.register([src])
+    b.register([dst])
+    a.add_peer("threads-b", b.metadata())
+    b.add_peer("threads-a", a.metadata())
+    end = time.monotonic() + 2.0
+    received: list[bytes] = []
+    sent = [0]
+
+    def serving_loop() -> None:
+        while time.monotonic() < end:
+            a.send_notif("threads-b", b"refused")
+            sent[0] += 1
+            received.extend(m for _, m in b.notifications())
+            a.notifications()
+
+    other = threading.Thread(target=serving_loop)
+    other.start()
+    writes = 0
+    while time.monotonic() < end:
+        handle = a.write("threads-b", [(src.data_ptr(), dst.data_ptr(), src.numel())], b"written")
+        while (state := a.state(handle)) is TransferState.PENDING:
+            pass
+        assert state is TransferState.DONE
+        a.release(handle)
+        writes += 1
+    other.join()
+    deadline = time.monotonic() + 5.0
+    while received.count(b"refused") < sent[0] or received.count(b"written") < writes:
+        assert time.monotonic() < deadline, "notifications lost"
+        received.extend(m for _, m in b.notifications())
+    assert writes > 10 and sent[0] > 10 and torch.equal(src, dst)
+    a.close()
+    b.close()
