@@ -108,6 +108,8 @@ EXTREME = [
     _extreme(temperature=1e-6, repetition_penalty=1e-300, top_p=1e-40, seed=3),
     _extreme(temperature=1e30, repetition_penalty=1e30, top_k=2**40, seed=4, logprobs=20),
     _extreme(temperature=0.5, presence_penalty=2.0, frequency_penalty=-2.0, seed=5),
+    _extreme(temperature=1.0, top_p=1e-300, seed=6),  # below fp32's range: every token was dropped (found by fuzzing)
+    _extreme(temperature=1.0, top_p=1e-40, seed=7),
 ]
 
 

@@ -207,6 +207,7 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(rows, descending=True, dim=-1)
         soft = sorted_logits.softmax(-1)
         drop = soft.cumsum(-1) - soft >= p.top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and always the top token (a top_p below fp32's range compares as 0)
         rows = rows.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return rows.softmax(-1)
 
