@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import tiny_engine
 from tests.split_harness import ScriptedCaller, cluster, wait_for
-from torch_engine.config import SpecMethod, SpeculativeConfig
+from torch_engine.config import EngineConfig, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.guided import GrammarState, Guide, GuideError, GuideKind, apply_masks
 from torch_engine.request import FinishReason, RequestState
@@ -202,3 +202,20 @@ def test_a_guided_request_across_the_split_survives_failover(
         wait_for(c.settled, what="every page back")
     finally:
         c.stop()
+
+
+def test_a_guide_that_needs_bytes_no_token_holds_fails_its_request_alone(smollm2_dir: Path) -> None:
+    """SmolLM2's vocabulary has no token for the byte 0xF1 (the first byte of U+43FA5): the guide's
+    mask still allows a token that its parser then refuses. That request ends with an error naming
+    the guide, in one line; a request beside it keeps its tokens."""
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=64))
+    other = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7]], other)[0]
+    bad = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, guide=Guide(GuideKind.REGEX, "£\U00043fa5")))
+    beside = engine.add_request([5, 6, 7], other)
+    while engine.has_unfinished():
+        engine.step()
+    req = engine.request(bad)
+    assert req.finish_reason is FinishReason.ERROR and req.error is not None
+    assert req.error.startswith("the guide cannot be followed with this model's tokens") and "\n" not in req.error
+    assert list(engine.request(beside).output_ids) == alone and engine.page_stats().used == 0

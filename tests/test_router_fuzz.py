@@ -2,7 +2,9 @@
 something: a 500 in plain text, a hang, a wrapped integer) and 2,000 fuzzed bodies (hypothesis: every
 field of OpenAI's two endpoints with values of any JSON type, plus unknown fields and raw bytes)
 against the real aiohttp app over a fake decode group. Every answer is below 500 and in OpenAI's
-shape, none takes more than a few seconds, and the router serves a normal request afterwards."""
+shape, none takes more than a few seconds, and the router serves a normal request afterwards. What
+the fuzzer got past the router's validation then runs on the real SmolLM2 engine, beside a stream
+that must keep the tokens it has alone."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +26,21 @@ from frontend.config import GroupEndpoint, RouterConfig, RouterSpec
 from frontend.server import Router
 from frontend.upstream import Piece
 from tests.router_harness import ScriptedPool
-from torch_engine.sampling import SamplingParams
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
+from torch_engine.request import FinishReason, RequestState
+from torch_engine.sampling import InvalidRequestError, SamplingParams
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+ACCEPTED: list[tuple[list[int], SamplingParams]] = []  # what reached a decode group (the first 600)
+
+
 async def short(name: str, ids: list[int], s: SamplingParams) -> AsyncGenerator[Piece, None]:
     """A decode group that answers at most three tokens (the prompt's last one, repeated)."""
+    if len(ACCEPTED) < 600:
+        ACCEPTED.append((list(ids), s))
     n = min(s.max_tokens, 3)
     for i in range(1, n + 1):
         yield Piece((ids[-1],) * i, i - 1, i, "length" if i == n else "")
@@ -256,3 +267,38 @@ def test_the_router_serves_after_the_fuzzing(client: Client) -> None:
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     status, text, _ = client.post("/v1/chat/completions", json.dumps(chat).encode())
     assert status == 200 and text.rstrip().endswith("data: [DONE]")
+
+
+def test_what_passed_validation_runs_on_the_engine_beside_a_stream(client: Client, smollm2_dir: Path) -> None:
+    """Every fuzzed request the router let through (its sampling values, guides, biases, penalties
+    and stop ids as sent; prompts cut to their last 48 tokens, at most 4 new tokens) runs on the
+    real SmolLM2 engine 24 at a time beside a greedy stream: none fails, except with a clear error
+    of its own guide (one the engine's compiler refuses at submission, which the node answers as a
+    400, or one that needs bytes no token of SmolLM2 holds: a regex of U+43FA5 needs the byte 0xF1,
+    which its vocabulary lacks, and llguidance's mask then allows a token its parser refuses); the
+    stream keeps the tokens it has alone, and every page comes back."""
+    if len(ACCEPTED) < 300:  # run alone: fuzz first
+        test_fuzzed_json_bodies_never_get_a_5xx(client)
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=256))
+    beside = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. Then") if engine.tokenizer else []
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = engine.generate([beside], greedy)[0]
+    refused, ended = 0, {reason: 0 for reason in FinishReason}
+    for at in range(0, len(ACCEPTED), 24):
+        ids: list[str] = []
+        for prompt, params in ACCEPTED[at : at + 24]:
+            try:
+                ids.append(engine.add_request(prompt[-48:], replace(params, max_tokens=min(params.max_tokens, 4))))
+            except InvalidRequestError:
+                refused += 1
+        stream = engine.add_request(beside, greedy)
+        while engine.has_unfinished():
+            engine.step()
+        assert list(engine.request(stream).output_ids) == alone
+        for rid in ids:
+            req = engine.request(rid)
+            unfollowable = req.params.guide is not None and "the guide cannot be followed" in (req.error or "")
+            assert req.state is RequestState.FINISHED or unfollowable, (req.params, req.error)
+            ended[req.finish_reason] += 1  # type: ignore[index]
+    assert engine.page_stats().used == 0
+    assert refused + ended[FinishReason.ERROR] < len(ACCEPTED) // 10 and sum(ended.values()) >= 250, (refused, ended)

@@ -180,7 +180,7 @@ class GrammarState:
     def _mask(self) -> torch.Tensor:
         raw = self._m.compute_bitmask()
         if self._m.is_error():
-            raise GuideError(f"grammar error: {self._m.get_error()}")
+            raise GuideError(f"grammar error: {self.error}")
         mask = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         if mask.numel() < self._words:  # tokens past the tokenizer's vocabulary: never allowed
             mask = torch.cat([mask, torch.zeros(self._words - mask.numel(), dtype=torch.int32)])
@@ -201,7 +201,8 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        """llguidance's error, its first line (the parser state it dumps after it is for debugging)."""
+        return self._m.get_error().strip().split("\n", 1)[0]
 
 
 class GrammarTable:

@@ -222,8 +222,11 @@ class Outputs:
         p = req.params
         reason: FinishReason | None = None
         if req.grammar is not None:
-            if not req.grammar.accept(token):  # its mask allowed only what the grammar accepts: a bug if reached
-                error = f"token {token} does not follow the guide: {req.grammar.error}"
+            if not req.grammar.accept(token):  # the mask allowed it: the guide needs bytes no token holds
+                error = (
+                    f"the guide cannot be followed with this model's tokens: token {token}, allowed by the "
+                    f"guide's mask, was refused by its parser ({req.grammar.error})"
+                )
                 self.finish(req, RequestState.FAILED, FinishReason.ERROR, error)
                 return self._failure(req, error)
             if req.grammar.done:
