@@ -16,6 +16,7 @@ from bench import engine as bench_engine
 from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
+from bench.serve import overload as bench_overload
 from bench.serve import prefix as bench_prefix
 from bench.serve import validate as plan_validate
 from builders import BuildError, train_mtp
@@ -53,6 +54,8 @@ BENCHES = [
             bench_serve.add_arguments, bench_serve.run),
     Command("prefix", "prefix cache off vs on, colocated and disaggregated: multi-turn chat, shared system prompts",
             bench_prefix.add_arguments, bench_prefix.run),
+    Command("overload", "a deployment offered 3x its capacity through the router: shed answers, admitted TTFT, memory",
+            bench_overload.add_arguments, bench_overload.run),
     Command("spec", "decode speed with and without speculative decoding (n-gram, MTP), acceptance",
             bench_spec.add_arguments, bench_spec.run),
 ]  # fmt: skip

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from bench.serve.metrics import PointSummary, goodput, pct, summarize, ttft_splits
+from bench.serve.overload import rss_mib, status_of
 from bench.serve.workloads import Workload, make_requests, poisson_arrivals
 from orchestrator.client import Completion
 from torch_engine.tokenizer import Tokenizer
@@ -105,3 +107,13 @@ def test_each_point_salts_its_requests_so_no_point_reads_another_ones_cache(monk
             asyncio.run(rp.replay(Targets(frontend, urls, "m"), reqs, [0.0, 0.0], tag, 10))
     assert salts == [(f"{t}-{i}", t) for _ in range(2) for t in ("prefill-heavy-colocated-r0",
                      "prefill-heavy-colocated-r1") for i in range(2)]  # fmt: skip
+
+
+def test_the_overload_bench_reads_each_answer_and_the_memory_of_live_processes() -> None:
+    assert status_of(completion("a", 0.0, [0.1, 0.2])) == 200
+    assert status_of(completion("b", 0.0, [], 'HTTP 429: {"error": {}}')) == 429
+    assert status_of(completion("c", 0.0, [], "HTTP 503: no slot freed within 0.1 s")) == 503
+    assert status_of(completion("d", 0.0, [0.1], "decode group a failed mid-stream")) == 0  # an error after tokens
+    assert status_of(completion("e", 0.0, [])) == 0  # no error, but not a token either
+    mine = rss_mib({os.getpid()})
+    assert 10 < mine < 24 * 1024 and rss_mib({os.getpid(), 2**22 + 7}) == mine  # a pid that is gone counts 0

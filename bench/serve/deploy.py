@@ -43,7 +43,9 @@ def deployment(
     frontend: Frontend = Frontend.TRITON,
     placement: PlacementSpec | None = None,
     prefix_cache: bool = True,
+    router: dict[str, object] | None = None,
 ) -> ClusterConfig:
+    """``router``: settings of the router's section over the benchmark's own (admission limits)."""
     base: dict[str, object] = {
         "mode": mode,
         "dtype": "float32",
@@ -55,7 +57,8 @@ def deployment(
         "timeouts": {"startup_s": 300, "kv_transfer_s": 120},
         "transport": {"layers_per_post": layers_per_post},
         "placement": (placement or PlacementSpec()).model_dump(mode="json"),
-        "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port(), "probe_interval_s": 0.25},
+        "router": {"enabled": frontend is Frontend.ROUTER, "port": free_port(), "probe_interval_s": 0.25}
+        | (router or {}),
         "prefix_cache": {"enabled": prefix_cache},
     }
     group = {"tp": 1, "engine_dir": str(engine_dir), "num_pages": 2048}
