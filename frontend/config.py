@@ -28,11 +28,11 @@ class RouterSpec(_Frozen):
         default=5.0, gt=0, description="a group that does not answer a probe within this leaves rotation until it does"
     )
     stall_timeout_s: float = Field(
-        default=30.0,
+        default=10.0,
         gt=0,
-        description="a group whose serving loop has been in one pass this long (or silent to probes this long) is "
-        "hung: it leaves rotation and the requests streaming from it are given up (retried elsewhere before the "
-        "first token, else ended with an error)",
+        description="a group whose serving loop has been in one pass this long and STALL_STEPS times its longest "
+        "recent step (or that has been silent to probes this long) is hung: it leaves rotation and the requests "
+        "streaming from it are given up (retried elsewhere before the first token, else ended with an error)",
     )
     request_timeout_s: float = Field(default=600.0, gt=0, description="one request, first byte to last token")
     max_tokens_default: int = Field(default=256, ge=1, description="max_tokens when a request sets none")

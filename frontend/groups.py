@@ -11,10 +11,13 @@ a readiness probe fails, and comes back when a probe succeeds.
 
 A probe is also a liveness check of the model, not only of the server: its events call is
 answered by the node's ``decode`` model with how long its serving loop has been in one pass
-(``stalled_s``). A group that does not answer within ``probe_timeout_s`` leaves rotation; one
-whose loop has been in a pass ``stall_timeout_s`` or longer — or that has been silent that long —
-is *hung*: ``Group.hung`` is set, and the requests streaming from it give up on it (before their
-first token they are retried on another group) instead of waiting out the request deadline.
+(``stalled_s``) and how long its longest recent step took (``longest_step_s``). A group that does
+not answer within ``probe_timeout_s`` leaves rotation; one whose loop has been in a pass both
+``stall_timeout_s`` and ``STALL_STEPS`` times its longest recent step or longer — so a deployment
+whose steps take seconds (a big model on CPU) is not taken for hung in one of them — or that has
+been silent ``stall_timeout_s``, is *hung*: ``Group.hung`` is set, and the requests streaming from
+it give up on it (before their first token they are retried on another group) instead of waiting
+out the request deadline.
 The node's own watchdog ends a wedged process later (``loop_stall_s``) and the launcher restarts it.
 """
 
@@ -38,6 +41,8 @@ from serving.names import Model
 from serving.node_config import GRPC_AUTH_HEADER
 
 log = logging.getLogger("frontend.groups")
+
+STALL_STEPS = 4  # a pass this many times the group's longest recent step (and stall_timeout_s) is a hang
 
 
 @dataclass(slots=True)
@@ -133,11 +138,14 @@ class GroupPool:
             log.error("decode group %s (%s) is hung: %s; its streams give up on it", group.name, group.url, why)
             group.hung.set()
 
-    def _alive(self, group: Group, stalled_s: float) -> None:
-        """The group answered a probe: hung while its loop has been in one pass too long."""
+    def _alive(self, group: Group, stalled_s: float, longest_step_s: float = 0.0) -> None:
+        """The group answered a probe: hung while its loop has been in one pass too long (longer than
+        ``stall_timeout_s`` and than ``STALL_STEPS`` of its longest recent steps)."""
         group.answered_at = time.monotonic()
-        if stalled_s >= self.stall_timeout_s:
-            self._hung(group, f"its serving loop has been in one pass for {stalled_s:.0f} s")
+        if stalled_s >= max(self.stall_timeout_s, STALL_STEPS * longest_step_s):
+            self._hung(
+                group, f"its loop has been in one pass for {stalled_s:.0f} s (longest step {longest_step_s:.1f} s)"
+            )
             return
         if group.hung.is_set():
             group.hung = asyncio.Event()  # a fresh one for the streams that start from now on
@@ -174,7 +182,7 @@ class GroupPool:
                 self.down(group, why)
             return
         group.cache.apply(batch)
-        self._alive(group, batch.stalled_s)
+        self._alive(group, batch.stalled_s, batch.longest_step_s)
 
     async def probe_forever(self, interval_s: float) -> None:
         while True:

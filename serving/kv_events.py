@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from torch_engine.prefix_cache import EVENT_LOG, CacheEvents, KVEvent, KVEventKind
 
-EVENTS_VERSION = 2  # 2: stalled_s
+EVENTS_VERSION = 3  # 2: stalled_s; 3: longest_step_s
 
 
 class _Msg(BaseModel):
@@ -79,6 +79,7 @@ class KVEventBatch(_Msg):
     events: list[Event] = Field(default_factory=list)
     snapshot: list[int] | None = None  # set: every block cached now (apply it instead of the events)
     stalled_s: float = Field(default=0.0, ge=0)  # how long the node's serving loop has been in one pass
+    longest_step_s: float = Field(default=0.0, ge=0)  # the longest of its recent passes that stepped the engine
 
 
 def _wire(e: KVEvent) -> Event:
@@ -125,18 +126,23 @@ class KVEventLog:
                 self._seq += 1
                 self._events.append((self._seq, _wire(e)))
 
-    def since(self, query: KVEventsQuery, stalled_s: float = 0.0) -> KVEventBatch:
+    def since(self, query: KVEventsQuery, stalled_s: float = 0.0, longest_step_s: float = 0.0) -> KVEventBatch:
+        """The events after ``query.seq`` (a snapshot instead when the reader is behind or new), with
+        the loop's pulse: how long its pass in progress and its longest recent step have run."""
+        pulse = (stalled_s, longest_step_s)
         with self._lock:
             seq = self._seq
             fresh = query.instance == self.instance and self._floor <= query.seq <= seq
             kept = not self._events or self._events[0][0] <= query.seq + 1
             if fresh and kept:
                 events = [e for s, e in self._events if s > query.seq]
-                return self._batch(seq, events, None, stalled_s)
-            return self._batch(seq, [], sorted(self._blocks), stalled_s)
+                return self._batch(seq, events, None, pulse)
+            return self._batch(seq, [], sorted(self._blocks), pulse)
 
-    def _batch(self, seq: int, events: list[Event], snapshot: list[int] | None, stalled_s: float) -> KVEventBatch:
+    def _batch(
+        self, seq: int, events: list[Event], snapshot: list[int] | None, pulse: tuple[float, float]
+    ) -> KVEventBatch:
         return KVEventBatch(
             ts=time.time(), instance=self.instance, identity=self.identity, block_size=self.block_size, seq=seq,
-            events=events, snapshot=snapshot, stalled_s=stalled_s,
+            events=events, snapshot=snapshot, stalled_s=pulse[0], longest_step_s=pulse[1],
         )  # fmt: skip

@@ -18,8 +18,10 @@ A loop that has not finished a pass for ``stall_s`` (a step that never returns: 
 a peer that holds a collective) is wedged, not slow: a watchdog thread logs the loop thread's
 stack and calls ``on_fatal`` with ``LoopStalled``, so that the process ends and its supervisor
 restarts the group instead of leaving a node that answers probes but serves nothing.
-``stalled_s()`` (any thread) is how long the current pass has run; routers read it with every
-probe and take a group whose loop is stalled out of rotation long before the watchdog fires.
+``stalled_s()`` (any thread) is how long the current pass has run, ``longest_step_s()`` the longest
+of the last ``STEP_WINDOW`` passes that stepped the engine; routers read both with every probe and
+take a group whose loop has been in one pass far longer than its steps take out of rotation long
+before the watchdog fires.
 
 ``on_report`` gets a ``LoopReport`` (pages, queues, and how many per-request records each
 structure holds) after every pass that stepped the engine and at least every
@@ -45,6 +47,8 @@ from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats
 log = logging.getLogger(__name__)
 
 ItemT = TypeVar("ItemT")
+
+STEP_WINDOW = 256  # passes that stepped the engine, of which ``longest_step_s`` is the longest
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,8 @@ class ServingLoop(ABC, Generic[ItemT]):
         self._stepped = False  # the last pass ran an engine step (set by subclasses)
         self._reported_at = 0.0
         self._pass_ended = time.monotonic()
+        self._steps = [0.0] * STEP_WINDOW  # durations of the last passes that stepped (a ring: any thread reads)
+        self._step_at = 0
         self._inbox: queue.Queue[ItemT] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -104,6 +110,10 @@ class ServingLoop(ABC, Generic[ItemT]):
         if not self._thread.is_alive():
             return 0.0
         return max(time.monotonic() - self._pass_ended, 0.0)
+
+    def longest_step_s(self) -> float:
+        """The longest of the last ``STEP_WINDOW`` passes that stepped the engine (any thread)."""
+        return max(self._steps)
 
     def _put(self, item: ItemT) -> None:
         self._inbox.put(item)
@@ -124,7 +134,11 @@ class ServingLoop(ABC, Generic[ItemT]):
                 self._drain()
                 self._work()
                 self._maybe_report()
-                self._pass_ended = time.monotonic()
+                ended = time.monotonic()
+                if self._stepped:
+                    self._steps[self._step_at] = ended - self._pass_ended
+                    self._step_at = (self._step_at + 1) % STEP_WINDOW
+                self._pass_ended = ended
         except Exception as exc:  # a bug or a dead peer: no request may hang on a loop that is gone
             log.exception("the %s stopped", self.name)
             self._fail_all(f"{self.name} stopped: {exc}")

@@ -157,6 +157,7 @@ def test_a_wedged_pass_is_fatal_and_a_slow_one_is_not(tiny_engine_dir, monkeypat
         out.wait(["slow"], 30)
         time.sleep(1.5)  # idle: passes every few ms, never stalled
         assert not fatal and loop.stalled_s() < 0.5
+        assert 0.0 < loop.longest_step_s() < 0.5  # the passes that stepped it (idle ones are not steps)
         monkeypatch.setattr(engine, "step", wedged)
         loop.submit("stuck", [1, 2, 3], SamplingParams(max_tokens=2), out.callback("stuck"))
         deadline = time.monotonic() + 10
@@ -192,15 +193,18 @@ class FakeClient:
         return self.ready
 
 
-def batch(stalled_s: float) -> KVEventBatch:
-    return KVEventBatch(ts=0.0, instance="i", identity="x", block_size=16, seq=0, stalled_s=stalled_s)
+def batch(stalled_s: float, longest_step_s: float = 0.0) -> KVEventBatch:
+    return KVEventBatch(
+        ts=0.0, instance="i", identity="x", block_size=16, seq=0, stalled_s=stalled_s, longest_step_s=longest_step_s
+    )
 
 
 def test_the_probe_takes_a_stalled_or_silent_group_out_and_brings_it_back(monkeypatch) -> None:
     stalled = {"a": 0.0, "b": 0.0}
+    longest = {"a": 0.0, "b": 0.0}
 
     async def events(client: Any, query: Any, *_: object) -> KVEventBatch:
-        return batch(stalled[client.name])
+        return batch(stalled[client.name], longest[client.name])
 
     monkeypatch.setattr(groups.upstream, "events", events)
     pool = GroupPool.of([GroupEndpoint(name=n, grpc_url="x") for n in ("a", "b")], RouterSpec(stall_timeout_s=5))
@@ -222,6 +226,15 @@ def test_the_probe_takes_a_stalled_or_silent_group_out_and_brings_it_back(monkey
         stalled["a"] = 0.0  # the loop moved again
         await pool.probe(0.2)
         assert a.up and not a.hung.is_set()
+        longest["a"], stalled["a"] = 3.0, 11.0  # its steps take up to 3 s (a big model on CPU): 11 s is slow
+        await pool.probe(0.2)
+        assert a.up and not a.hung.is_set()
+        stalled["a"] = 12.0  # STALL_STEPS (4) of its longest steps: hung
+        await pool.probe(0.2)
+        assert not a.up and a.hung.is_set() and "longest step 3.0 s" in a.why_down
+        stalled["a"] = 0.0
+        await pool.probe(0.2)
+        assert a.up
         clients["b"].answers = False  # the stub stopped answering: out at once, hung once silent long enough
         await pool.probe(0.2)
         assert not b.up and not b.hung.is_set() and "no answer to a probe" in b.why_down

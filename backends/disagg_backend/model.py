@@ -192,7 +192,7 @@ class Decode(_Role):
             query = codecs.events_query(get)
             if query is not None:
                 assert self.events is not None
-                batch = self.events.since(query, self.loop.stalled_s())  # also the router's liveness probe
+                batch = self.events.since(query, self.loop.stalled_s(), self.loop.longest_step_s())  # + liveness
                 sender.send(_response(codecs.encode_events(batch)), flags=FINAL)
                 return
             call = codecs.parse_decode(get, self.node.limits.max_tokens)
