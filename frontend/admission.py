@@ -1,11 +1,15 @@
 """The router's front gate: overload is shed, not absorbed.
 
 At most ``max_in_flight`` requests are served at once (a streamed one holds its slot until its
-last chunk); up to ``max_queued`` more wait, first come first served, at most ``queue_timeout_s``
-each; one client (its address) holds at most ``max_per_client`` of the slots and queue places.
+last chunk); up to ``max_queued`` more wait, at most ``queue_timeout_s`` each: first come first
+served while the queue drains quickly, newest first once it stands (adaptive LIFO: when the oldest
+waiter has waited half the timeout, a freed slot goes to the newest one, which has the most time
+left: under sustained overload the served requests then wait little, while the old ones get their
+503 at their deadline as before, instead of every served one having waited nearly the timeout); one
+client (its address) holds at most ``max_per_client`` of the slots and queue places.
 Anything past that is answered at once: 429 ``rate_limit_exceeded`` with ``Retry-After`` (queue
 full, or the client's own limit), 503 with ``Retry-After`` when the wait ran out. A slot is handed
-from the request that ends straight to the first waiter, so the count never overshoots.
+from the request that ends straight to a waiter, so the count never overshoots.
 
 States of a request here: arriving ──(a free slot, nobody waiting)──> serving
                                   └──(room in the queue)──> queued ──(handed a slot)──> serving
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -29,7 +34,7 @@ class Admission:
         self.max_in_flight, self.max_queued = max_in_flight, max_queued
         self.queue_timeout_s, self.max_per_client = queue_timeout_s, max_per_client
         self.in_flight = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()  # (waiter, when it came)
         self._clients: dict[str, int] = {}  # client -> its requests serving or queued
 
     @property
@@ -73,7 +78,8 @@ class Admission:
                 "rate_limit_exceeded", code="rate_limit_exceeded", retry_after=1.0,
             )  # fmt: skip
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = (waiter, time.monotonic())
+        self._waiters.append(entry)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
@@ -82,7 +88,7 @@ class Admission:
             else:
                 waiter.cancel()
                 with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+                    self._waiters.remove(entry)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise ApiError(
@@ -92,7 +98,8 @@ class Admission:
 
     def _release(self) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
+            standing = time.monotonic() - self._waiters[0][1] >= self.queue_timeout_s / 2
+            waiter, _ = self._waiters.pop() if standing else self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)  # the slot goes straight to it
                 return

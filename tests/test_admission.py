@@ -47,6 +47,47 @@ def test_slots_queue_fifo_and_are_handed_over() -> None:
     asyncio.run(go())
 
 
+def test_a_standing_queue_serves_its_newest_waiter_first() -> None:
+    """FIFO while the queue drains quickly; once the oldest waiter has waited half the timeout, a
+    freed slot goes to the newest (adaptive LIFO), and the old ones still get their 503 on time."""
+
+    async def go() -> None:
+        gate = Admission(max_in_flight=1, max_queued=4, queue_timeout_s=1.0)
+        order: list[str] = []
+        release = {n: asyncio.Event() for n in "habcd"}
+
+        async def user(name: str) -> None:
+            try:
+                async with gate.slot(name):
+                    order.append(name)
+                    await release[name].wait()
+            except ApiError as exc:
+                order.append(f"{name}:{exc.status}")
+
+        tasks = [asyncio.create_task(user("h"))]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(user(n)) for n in "ab"]
+        await asyncio.sleep(0.05)
+        release["h"].set()  # the queue is young: first come, first served
+        await asyncio.sleep(0.05)
+        assert order == ["h", "a"]
+        await asyncio.sleep(0.5)  # b has waited more than half the timeout: the queue stands
+        tasks += [asyncio.create_task(user(n)) for n in "cd"]
+        await asyncio.sleep(0.05)
+        release["a"].set()
+        await asyncio.sleep(0.05)
+        assert order == ["h", "a", "d"]  # the newest
+        await asyncio.sleep(0.5)  # b's second (of 1 s) runs out; c is still within its own
+        assert order == ["h", "a", "d", "b:503"]
+        release["d"].set()
+        release["c"].set()
+        await asyncio.gather(*tasks)
+        assert order == ["h", "a", "d", "b:503", "c"]
+        assert gate.in_flight == 0 and gate.queued == 0 and gate.clients() == 0
+
+    asyncio.run(go())
+
+
 def test_a_wait_that_runs_out_is_a_503_and_a_cancelled_waiter_gives_its_place_back() -> None:
     async def go() -> None:
         gate = Admission(max_in_flight=1, max_queued=4, queue_timeout_s=0.1, max_per_client=2)
