@@ -232,7 +232,7 @@ def run(a: argparse.Namespace) -> int:
     finally:
         launch.stop()
     result = {
-        "command": "disagg bench overload " + " ".join(a.argv),
+        "command": "disagg " + " ".join(a.argv),
         "machine": {**cpu_info().as_dict(), "cores": os.cpu_count()},
         "mode": a.mode,
         "admission": admission,

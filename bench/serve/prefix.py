@@ -364,7 +364,7 @@ def run(a: argparse.Namespace) -> int:
                 launch.stop()
     goals = ratios(state.points)
     report = {
-        "command": "disagg bench prefix " + " ".join(a.argv),
+        "command": "disagg " + " ".join(a.argv),
         "machine": {**cpu_info().as_dict(), "cores": os.cpu_count()},
         "slo": {"ttft_s": state.slo[0], "tpot_s": state.slo[1]} if state.slo else None,
         "shared_prefix_rate": state.rate,
