@@ -168,9 +168,12 @@ class ChatCompletionRequest(_Request):
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and not self.called:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
-        if self.auto_tools and super()._guides():
-            named = ", ".join(super()._guides())
-            raise ValueError(f"tool_choice 'auto' cannot be combined with {named}: name a function or drop the tools")
+        others = [name for name in super()._guides() if name != "response_format"]
+        if self.auto_tools and others:
+            raise ValueError(
+                f"tool_choice 'auto' cannot be combined with {', '.join(others)} (only with response_format): name "
+                "a function or drop the tools"
+            )
         return self
 
     @property
@@ -187,8 +190,21 @@ class ChatCompletionRequest(_Request):
             return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         return list(self.tools)
 
+    @property
+    def reply_schema(self) -> dict[str, Any] | None:
+        """With ``tool_choice`` 'auto': the JSON schema a reply that calls no tool must satisfy
+        (``response_format``), else None (free text)."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object" or rf.json_schema is None:
+            return {"type": "object"}
+        return rf.json_schema.json_schema or {}
+
     def _guides(self) -> dict[str, Guide]:
         found = super()._guides()
+        if self.auto_tools:
+            found.pop("response_format", None)  # the tools' grammar holds the reply to it (``auto_guide``)
         if self.called:
             found["tool_choice"] = schema_guide(tool_call_schema(self.called))
         return found

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from jinja2 import TemplateError
 
 from frontend import upstream
+from frontend.api_guided import schema_guide
 from frontend.api_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +38,7 @@ from frontend.tool_format import auto_guide, messages_for, tool_style
 from frontend.tool_reader import ToolFormat
 from frontend.upstream import GroupUnavailable, Overloaded, Piece, Refused
 from serving.codecs import check_sampling
+from torch_engine.guided import Guide, GuideError, check_guide
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.tokenizer import Tokenizer
 
@@ -166,8 +168,7 @@ class Generator:
             )
         guided = req.guided
         if guided is None and isinstance(req, ChatCompletionRequest) and req.auto_tools:
-            auto = auto_guide(req.tools or [], self.tool_style.fmt)
-            guided = ("tools", auto) if auto is not None else None
+            guided = self._auto_guide(req)
         params = SamplingParams(
             max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stops, ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty,
@@ -183,6 +184,23 @@ class Generator:
                 raise ApiError(400, f"{guided[0]}: {exc}", param=guided[0]) from None
             raise ApiError(400, str(exc), param=exc.param) from None
         return params
+
+    def _auto_guide(self, req: ChatCompletionRequest) -> tuple[str, Guide] | None:
+        """``tool_choice`` 'auto': the tools' grammar, holding a reply without calls to ``response_format``."""
+        reply = req.reply_schema
+        if reply is not None:
+            try:
+                check_guide(schema_guide(reply))  # its own errors name its own field
+            except GuideError as exc:
+                raise ApiError(400, f"response_format: {exc}", param="response_format") from None
+        auto = auto_guide(req.tools or [], self.tool_style.fmt, reply)
+        if auto is None and reply is not None:
+            raise ApiError(
+                400, f"response_format cannot be combined with tool_choice 'auto' under the {self.tool_style.name} "
+                "tool format (its calls open with a special token, which a JSON grammar cannot allow)",
+                param="response_format",
+            )  # fmt: skip
+        return ("tools", auto) if auto is not None else None
 
     # -- running -------------------------------------------------------------------------
     async def pieces(

@@ -12,8 +12,9 @@ A native template gets the tools (``tools=``) and the history's calls and tool t
 messages Hugging Face templates take; otherwise calls in the history are written in the format asked
 for. Under ``HERMES`` (native or not) and ``LLAMA3_JSON`` the reply is free text until the model opens
 a call; from there the grammar (``auto_guide``: llguidance's lazy lexemes) holds the call to one of the
-functions and its arguments to that function's schema. ``MISTRAL`` opens calls with a special token,
-so its calls are read, not enforced.
+functions and its arguments to that function's schema; with a ``response_format`` beside the tools
+the reply is calls only or a JSON value in that format's schema. ``MISTRAL`` opens calls with a
+special token, so its calls are read, not enforced (and a ``response_format`` beside them is refused).
 """
 
 from __future__ import annotations
@@ -97,22 +98,24 @@ def messages_for(
     return out
 
 
-def auto_guide(tools: list[Tool], fmt: ToolFormat) -> Guide | None:
+def auto_guide(tools: list[Tool], fmt: ToolFormat, reply: dict[str, Any] | None = None) -> Guide | None:
     """The grammar of a reply that may call ``tools``: free text until a call opens, then one of the
-    functions with arguments that satisfy its schema (None: ``fmt``'s calls are not enforced)."""
+    functions with arguments that satisfy its schema; with ``reply`` (``response_format``'s schema),
+    either calls only or a JSON value that satisfies ``reply`` (None: ``fmt``'s calls are not enforced)."""
     args = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     schema = {**tool_call_schema(tools, args), "x-guidance": dict(JSON_OPTIONS)}
-    body = f"%json {json.dumps(schema)}"
-    if fmt is ToolFormat.HERMES:
+    body = f"body: %json {json.dumps(schema)}\n"
+    answer = f"reply: %json {json.dumps({**reply, 'x-guidance': dict(JSON_OPTIONS)})}\n" if reply is not None else ""
+    call = f'"\\n" body "\\n{HERMES_CLOSE}"'
+    if fmt is ToolFormat.HERMES and reply is None:
         grammar = (
-            "start: call* TEXT\n"
-            "TEXT: /(.|\\n)*/\n"
-            f"head[lazy]: TEXT {json.dumps(HERMES_OPEN)}\n"
-            f'call: head "\\n" body "\\n{HERMES_CLOSE}"\n'
-            f"body: {body}\n"
+            f"start: call* TEXT\nTEXT: /(.|\\n)*/\nhead[lazy]: TEXT {json.dumps(HERMES_OPEN)}\ncall: head {call}\n"
         )
+    elif fmt is ToolFormat.HERMES:
+        grammar = f'start: call+ | reply\ncall: {json.dumps(HERMES_OPEN)} {call} "\\n"?\n'
     elif fmt is ToolFormat.LLAMA3_JSON:
-        grammar = f'start: TEXT? | body ("; " body)*\nTEXT: /[^{{](.|\\n)*/\nbody: {body}\n'
+        text = "TEXT?" if reply is None else "reply"
+        grammar = f'start: {text} | body ("; " body)*\nTEXT: /[^{{](.|\\n)*/\n'
     else:
         return None
-    return Guide(GuideKind.LARK, grammar)
+    return Guide(GuideKind.LARK, grammar + body + answer)

@@ -11,6 +11,7 @@ import json
 import random
 import shutil
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ from frontend.tool_format import ToolStyle, auto_guide, tool_style
 from frontend.tool_reader import CallReader, Read, ToolFormat
 from frontend.upstream import Piece
 from tests.router_harness import ScriptedPool, scripted_router
+from torch_engine.config import EngineConfig
+from torch_engine.engine import LLMEngine
 from torch_engine.guided import GrammarTable, GuideKind
+from torch_engine.request import FinishReason
 from torch_engine.sampling import SamplingParams
 from torch_engine.tokenizer import Tokenizer
 
@@ -236,14 +240,66 @@ def test_a_reply_without_a_call_is_content(smollm2_dir: Path, monkeypatch: pytes
     assert deltas[-1]["finish_reason"] == "stop" and not any(d["delta"].get("tool_calls") for d in deltas)
 
 
-def test_auto_with_another_guide_is_a_400(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ask = {
-        "messages": [{"role": "user", "content": "Hi"}],
-        "tools": [WEATHER],
-        "response_format": {"type": "json_object"},
-    }
-    ((status, body),), _, _ = chat(smollm2_dir, monkeypatch, "{}", [ask])
-    assert status == 400 and "tool_choice 'auto' cannot be combined with response_format" in body["error"]["message"]
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
+    "required": ["answer", "confidence"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.LLAMA3_JSON])
+def test_auto_with_a_response_format_is_calls_or_a_reply_in_its_schema(smollm2_dir: Path, fmt: ToolFormat) -> None:
+    tok = Tokenizer(smollm2_dir)
+    table = GrammarTable(tok.hf, len(tok.hf))
+    guide = auto_guide([Tool.model_validate(WEATHER)], fmt, ANSWER)
+    assert guide is not None
+
+    def accepts(text: str, whole: bool = True) -> bool:
+        ids = tok.encode(text)
+        m = table.matcher(guide)
+        if m.valid_prefix(ids) != len(ids):
+            return False
+        for t in ids:
+            m.accept(t)
+        return m.accepting or not whole
+
+    call = CALL if fmt is ToolFormat.HERMES else CALL.replace('"arguments"', '"parameters"')
+    calls = f"<tool_call>\n{call}\n</tool_call>" if fmt is ToolFormat.HERMES else call
+    assert accepts('{"answer": "Paris", "confidence": 0.9}')
+    assert accepts(calls)
+    assert not accepts('{"answer": "Paris"}')  # not the reply's schema (a key missing)
+    assert not accepts("Sure, here it is", whole=False)  # no free text
+    assert not accepts(HERMES_REPLY, whole=False)  # no text before a call either
+    assert auto_guide([Tool.model_validate(WEATHER)], ToolFormat.MISTRAL, ANSWER) is None
+
+
+def test_auto_takes_a_response_format_and_nothing_else(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ask = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER]}
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply = '{"answer": "hello", "confidence": 1}'
+    bodies = [
+        ask | {"response_format": schema},
+        ask | {"response_format": {"type": "json_object"}, "stream": True},
+        ask | {"guided_regex": "a+"},
+        ask | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+    ]
+    ((ok, body), (streamed, events), (bad, error), (broken, why)), seen, _ = chat(
+        smollm2_dir, monkeypatch, reply, bodies
+    )
+    assert ok == 200 and body["choices"][0]["message"]["content"] == reply
+    assert body["choices"][0]["message"]["tool_calls"] is None and body["choices"][0]["finish_reason"] == "stop"
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert streamed == 200 and "".join(d["delta"].get("content") or "" for d in deltas) == reply
+    guide = seen[0][1].guide
+    assert (
+        guide is not None
+        and guide.kind is GuideKind.LARK
+        and '"confidence"' in guide.text
+        and "get_weather" in guide.text
+    )
+    assert bad == 400 and "cannot be combined with guided_regex" in error["error"]["message"]
+    assert broken == 400 and why["error"]["param"] == "response_format", why
 
 
 def test_a_native_template_renders_the_tools_and_the_history(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -284,3 +340,39 @@ def test_each_streamed_choice_reads_its_own_calls(smollm2_dir: Path, monkeypatch
         assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {"city": "Paris", "unit": "celsius"}
     heads = [t["id"] for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or [] if "id" in t]
     assert len(heads) == 2 and len(set(heads)) == 2
+
+
+def test_smollm2_under_auto_and_a_response_format_calls_or_answers_in_the_schema(smollm2_dir: Path) -> None:
+    """The router's prompt and guide for tools + ``response_format``, run on the SmolLM2 engine at
+    temperature 0.8 over 8 seeds (and greedy): every reply reads as calls that satisfy their schema
+    or as content that is JSON in the reply's schema."""
+    cfg = RouterConfig(spec=RouterSpec(port=1), model_name="smollm2", engine_dir=smollm2_dir,
+                       groups=[GroupEndpoint(name="a", grpc_url="127.0.0.1:1")])  # fmt: skip
+    pool = ScriptedPool.of(cfg.groups)
+    gen = Generator(cfg, pool, RouterMetrics(pool))
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    req = ChatCompletionRequest.model_validate({
+        "model": "smollm2", "tools": [WEATHER], "response_format": schema, "max_tokens": 120,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    })  # fmt: skip
+    prompt, base = gen.chat_prompt(req), gen.sampling(req)
+    engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir, num_pages=128))
+    runs = [replace(base, temperature=0.0)] + [replace(base, temperature=0.8, seed=s) for s in range(8)]
+    rids = [engine.add_request(prompt, params) for params in runs]  # batched
+    while engine.has_unfinished():
+        engine.step()
+    kinds: list[str] = []
+    assert engine.tokenizer is not None
+    for rid in rids:
+        done = engine.request(rid)
+        content, calls = read(ToolFormat.HERMES, [engine.tokenizer.decode(list(done.output_ids))])
+        if done.finish_reason is FinishReason.LENGTH:  # cut by max_tokens: a prefix, nothing to parse
+            kinds.append("cut")
+        elif calls:
+            assert all(c["name"] == "get_weather" and json.loads(c["arguments"])["city"] for c in calls), calls
+            kinds.append("call")
+        else:
+            value = json.loads(content)
+            assert set(value) == {"answer", "confidence"} and isinstance(value["answer"], str), value
+            kinds.append("reply")
+    assert kinds.count("cut") <= len(runs) // 2, kinds

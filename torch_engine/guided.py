@@ -195,6 +195,11 @@ class GrammarState:
         return self._m.consume_token(token)
 
     @property
+    def accepting(self) -> bool:
+        """What was emitted so far is a whole answer the guide accepts (more may still be allowed)."""
+        return self._m.is_accepting()
+
+    @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the request stops)."""
         return self._m.is_stopped()
