@@ -434,6 +434,48 @@ def test_auto_tool_choice_lets_the_model_call_or_answer(deployment: Launch, engi
     assert calls >= 1
 
 
+class Answer(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    answer: str
+    confidence: float
+
+
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city"""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_tools_beside_a_response_format_through_the_openai_parse_helper(deployment: Launch) -> None:
+    """The openai client's ``chat.completions.parse`` with a pydantic ``response_format`` and a strict
+    pydantic function tool (``tool_choice`` auto): greedy and sampled, every reply the client parses
+    is either a call of the tool with arguments it validates or an ``Answer`` (a reply cut by
+    ``max_tokens`` is the client's ``LengthFinishReasonError``)."""
+    client = _client(deployment)
+    parse = functools.partial(
+        client.chat.completions.parse, model="smollm2", response_format=Answer, max_tokens=120,
+        tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")],
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )  # fmt: skip
+    seen: list[str] = []
+    for kwargs in [{"temperature": 0}] + [{"temperature": 0.8, "seed": s} for s in range(4)]:
+        try:
+            message = parse(**kwargs).choices[0].message
+        except openai.LengthFinishReasonError:
+            seen.append("cut")
+            continue
+        if message.tool_calls:
+            args = [c.function.parsed_arguments for c in message.tool_calls]
+            assert all(isinstance(a, GetWeather) and a.city for a in args), message
+            seen.append("call")
+        else:
+            assert isinstance(message.parsed, Answer) and message.parsed.answer, message
+            seen.append("answer")
+    assert seen.count("cut") < len(seen), seen  # SmolLM2 may repeat its call until max_tokens
+
+
 def _rendered(launch: Launch, messages: list[dict[str, Any]]) -> list[int]:
     """The router's prompt for ``messages`` with ``WEATHER`` offered (its ``/tokenize``)."""
     base = _base(launch).removesuffix("/v1")
