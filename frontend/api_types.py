@@ -156,7 +156,7 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; one call per choice
+    parallel_tool_calls: bool | None = None  # false: at most one call under 'auto' (forced calls are one)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

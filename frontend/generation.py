@@ -193,7 +193,7 @@ class Generator:
                 check_guide(schema_guide(reply))  # its own errors name its own field
             except GuideError as exc:
                 raise ApiError(400, f"response_format: {exc}", param="response_format") from None
-        auto = auto_guide(req.tools or [], self.tool_style.fmt, reply)
+        auto = auto_guide(req.tools or [], self.tool_style.fmt, reply, req.parallel_tool_calls is not False)
         if auto is None and reply is not None:
             raise ApiError(
                 400, f"response_format cannot be combined with tool_choice 'auto' under the {self.tool_style.name} "

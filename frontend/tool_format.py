@@ -98,24 +98,28 @@ def messages_for(
     return out
 
 
-def auto_guide(tools: list[Tool], fmt: ToolFormat, reply: dict[str, Any] | None = None) -> Guide | None:
+def auto_guide(
+    tools: list[Tool], fmt: ToolFormat, reply: dict[str, Any] | None = None, parallel: bool = True
+) -> Guide | None:
     """The grammar of a reply that may call ``tools``: free text until a call opens, then one of the
     functions with arguments that satisfy its schema; with ``reply`` (``response_format``'s schema),
-    either calls only or a JSON value that satisfies ``reply`` (None: ``fmt``'s calls are not enforced)."""
+    either calls only or a JSON value that satisfies ``reply``; not ``parallel``: at most one call,
+    and the reply ends with it (None: ``fmt``'s calls are not enforced)."""
     args = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     schema = {**tool_call_schema(tools, args), "x-guidance": dict(JSON_OPTIONS)}
     body = f"body: %json {json.dumps(schema)}\n"
     answer = f"reply: %json {json.dumps({**reply, 'x-guidance': dict(JSON_OPTIONS)})}\n" if reply is not None else ""
     call = f'"\\n" body "\\n{HERMES_CLOSE}"'
     if fmt is ToolFormat.HERMES and reply is None:
-        grammar = (
-            f"start: call* TEXT\nTEXT: /(.|\\n)*/\nhead[lazy]: TEXT {json.dumps(HERMES_OPEN)}\ncall: head {call}\n"
-        )
+        text = "TEXT: /(.|\\n)*/\n"
+        start = "start: call* TEXT\n" if parallel else "start: TEXT | call\n"
+        grammar = start + text + f"head[lazy]: TEXT {json.dumps(HERMES_OPEN)}\ncall: head {call}\n"
     elif fmt is ToolFormat.HERMES:
-        grammar = f'start: call+ | reply\ncall: {json.dumps(HERMES_OPEN)} {call} "\\n"?\n'
+        grammar = f'start: {"call+" if parallel else "call"} | reply\ncall: {json.dumps(HERMES_OPEN)} {call} "\\n"?\n'
     elif fmt is ToolFormat.LLAMA3_JSON:
         text = "TEXT?" if reply is None else "reply"
-        grammar = f'start: {text} | body ("; " body)*\nTEXT: /[^{{](.|\\n)*/\n'
+        calls = 'body ("; " body)*' if parallel else "body"
+        grammar = f"start: {text} | {calls}\nTEXT: /[^{{](.|\\n)*/\n"
     else:
         return None
     return Guide(GuideKind.LARK, grammar + body + answer)

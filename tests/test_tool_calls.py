@@ -29,7 +29,7 @@ from frontend.upstream import Piece
 from tests.router_harness import ScriptedPool, scripted_router
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
-from torch_engine.guided import GrammarTable, GuideKind
+from torch_engine.guided import GrammarTable, Guide, GuideKind
 from torch_engine.request import FinishReason
 from torch_engine.sampling import SamplingParams
 from torch_engine.tokenizer import Tokenizer
@@ -158,6 +158,35 @@ def test_the_auto_grammar_leaves_text_free_and_holds_an_opened_call_to_the_schem
     assert not accepts("<tool_call>\nI will call it now")  # an opened call is a call
 
 
+@pytest.mark.parametrize("reply", [None, {"type": "object"}])
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.LLAMA3_JSON])
+def test_without_parallel_calls_a_reply_holds_at_most_one_call(
+    smollm2_dir: Path, fmt: ToolFormat, reply: dict[str, Any] | None
+) -> None:
+    """``parallel_tool_calls: false``: one call and the reply ends there; free text (or the reply's
+    JSON) as before; parallel (the default) allows a second call."""
+    tok = Tokenizer(smollm2_dir)
+    table = GrammarTable(tok.hf, len(tok.hf))
+    one = auto_guide([Tool.model_validate(WEATHER)], fmt, reply, parallel=False)
+    many = auto_guide([Tool.model_validate(WEATHER)], fmt, reply)
+    assert one is not None and many is not None
+
+    def takes(guide: Guide, text: str) -> bool:
+        ids = tok.encode(text)
+        return table.matcher(guide).valid_prefix(ids) == len(ids)
+
+    call = CALL if fmt is ToolFormat.HERMES else CALL.replace('"arguments"', '"parameters"')
+    block = f"<tool_call>\n{call}\n</tool_call>" if fmt is ToolFormat.HERMES else call
+    twice = f"{block}\n{block}" if fmt is ToolFormat.HERMES else f"{call}; {call}"
+    assert takes(one, block) and takes(many, block)
+    assert not takes(one, twice) and takes(many, twice)
+    assert takes(one, "Hello there" if reply is None else '{"a": 1}')
+    if fmt is ToolFormat.HERMES and reply is None:
+        assert takes(one, "Let me look that up.\n" + block)
+        assert not takes(one, block + "\nAnd some words after it.")
+        assert not takes(one, "<tool_call>\nI will call it now")
+
+
 def saying(text: str, tok: Tokenizer, seen: list[tuple[list[int], SamplingParams]]) -> Any:
     """A decode group that answers ``text`` token by token (and notes what it was sent)."""
 
@@ -283,10 +312,13 @@ def test_auto_takes_a_response_format_and_nothing_else(smollm2_dir: Path, monkey
         ask | {"response_format": {"type": "json_object"}, "stream": True},
         ask | {"guided_regex": "a+"},
         ask | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+        ask | {"response_format": schema, "parallel_tool_calls": False},
     ]
-    ((ok, body), (streamed, events), (bad, error), (broken, why)), seen, _ = chat(
+    ((ok, body), (streamed, events), (bad, error), (broken, why), (single, _)), seen, _ = chat(
         smollm2_dir, monkeypatch, reply, bodies
     )
+    one = seen[-1][1].guide
+    assert single == 200 and one is not None and one.text.startswith("start: call | reply")
     assert ok == 200 and body["choices"][0]["message"]["content"] == reply
     assert body["choices"][0]["message"]["tool_calls"] is None and body["choices"][0]["finish_reason"] == "stop"
     deltas = [e["choices"][0] for e in events if e["choices"]]
