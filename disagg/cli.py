@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench import engine as bench_engine
+from bench import guided as bench_guided
 from bench import speculative as bench_spec
 from bench import transfer as bench_transfer
 from bench.serve import cli as bench_serve
@@ -56,6 +57,8 @@ BENCHES = [
             bench_prefix.add_arguments, bench_prefix.run),
     Command("overload", "a deployment offered 3x its capacity through the router: shed answers, admitted TTFT, memory",
             bench_overload.add_arguments, bench_overload.run),
+    Command("guided", "the decode step with and without a JSON-schema guide on every request, side by side",
+            bench_guided.add_arguments, bench_guided.run),
     Command("spec", "decode speed with and without speculative decoding (n-gram, MTP), acceptance",
             bench_spec.add_arguments, bench_spec.run),
 ]  # fmt: skip

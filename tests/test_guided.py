@@ -16,6 +16,7 @@ from tests.split_harness import ScriptedCaller, cluster, wait_for
 from torch_engine.config import EngineConfig, SpecMethod, SpeculativeConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.guided import GrammarState, Guide, GuideError, GuideKind, apply_masks
+from torch_engine.kernels import cpu_kernels
 from torch_engine.request import FinishReason, RequestState
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 
@@ -167,18 +168,24 @@ def test_bad_guides_are_refused_by_name(smollm2_dir: Path, engine: LLMEngine) ->
         no_tokenizer.add_request([1, 2, 3], SamplingParams(guide=PHONE))
 
 
-def test_masks_set_exactly_the_disallowed_logits_to_minus_inf() -> None:
+@pytest.mark.parametrize("vocab", [70, 100])  # fewer logits than the mask's bits; more (past them: disallowed)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_masks_set_exactly_the_disallowed_logits_to_minus_inf(vocab: int, compiled: bool) -> None:
+    kernels = cpu_kernels() if compiled else None
+    if compiled and kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
     torch.manual_seed(0)
-    vocab, rows = 70, [0, 2]
+    rows = [2, 0]
     logits = torch.randn(3, vocab)
     before = logits.clone()
     allowed = torch.rand(2, 96) < 0.3
+    allowed[0, :32] = True  # a word with every bit set
     words = [[sum(1 << b for b in range(32) if allowed[r, 32 * w + b]) for w in range(3)] for r in range(2)]
     masks = torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in words], dtype=torch.int32)
-    apply_masks(logits, rows, masks)
+    apply_masks(logits, rows, masks, kernels)
     for i, r in enumerate(rows):
         for t in range(vocab):
-            want = before[r, t] if allowed[i, t] else float("-inf")
+            want = before[r, t] if t < 96 and allowed[i, t] else float("-inf")
             assert logits[r, t] == want
     assert torch.equal(logits[1], before[1])
 

@@ -106,7 +106,7 @@ class LLMEngine:
         self._runner.use_fused_step(config.fused_decode if fast else False)
         self._tokenizer = Tokenizer(config.engine_dir) if load_tokenizer and manifest.has_tokenizer else None
         eos = set(mc.eos_token_ids) | set(self._tokenizer.eos_token_ids if self._tokenizer else ())
-        self._outputs = Outputs(self._scheduler, self._tokenizer, eos, self._max_model_len)
+        self._outputs = Outputs(self._scheduler, self._tokenizer, eos, self._max_model_len, self._kv.kernels)
         self._intake = Intake(self._tokenizer, mc.vocab_size, self._max_model_len, self._page_size, config.num_pages)
         self._requests: dict[str, Request] = {}
         self._observers: list[StepObserver] = []

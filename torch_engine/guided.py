@@ -42,6 +42,8 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from transformers import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from llguidance._lib import JsonCompileOptions
 
 MAX_GUIDE_CHARS = 100_000  # a schema or grammar longer than this is refused
@@ -290,9 +292,14 @@ class MaskPrefetch:
         return PendingMasks({key: self._pool.submit(state.masks, draft) for key, state, draft in work})
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-    """Set ``logits[rows[i], t]`` to -inf for every token ``t`` that ``masks[i]`` (int32 bitmask) disallows."""
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor, kernels: ModuleType | None = None) -> None:
+    """Set ``logits[rows[i], t]`` to -inf for every token ``t`` that ``masks[i]`` (int32 bitmask) disallows.
+    ``kernels`` (the engine's CPU kernels): one pass over the words in C++ for fp32 CPU logits (the
+    PyTorch ops below took ~0.3 ms a row for a 49k vocabulary: ~2.5 ms at batch 8, on the step's path)."""
     if not rows:
+        return
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        kernels.mask_logits(logits, rows, masks.contiguous())
         return
     bits = torch.arange(32, dtype=torch.int32)
     allowed = ((masks.unsqueeze(-1) >> bits) & 1).bool().reshape(len(rows), -1)

@@ -7,6 +7,7 @@ appended, stop strings / stop tokens / EOS / length checked, finished requests' 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from types import ModuleType
 
 import torch
 
@@ -36,11 +37,11 @@ def mask_work(sched: SchedulerOutput) -> MaskWork:
 
 def pick(
     sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks = NO_MASKS,
-    eos: frozenset[int] = frozenset(),
+    eos: frozenset[int] = frozenset(), kernels: ModuleType | None = None,
 ) -> dict[int, Picked]:  # fmt: skip
     """The tokens each sampling chunk emits (id(chunk) -> picked); changes no request's tokens
     (a prefill-only chunk whose last hidden state is wanted keeps it and its logits). ``masks``:
-    the grammar masks of ``mask_work(sched)``, prefetched."""
+    the grammar masks of ``mask_work(sched)``, prefetched, applied by ``kernels`` where given."""
     first: dict[int, int] = {}  # id(chunk) -> its first output row in ``hidden`` (``ScheduledChunk.outputs``)
     rows: list[ScheduledChunk] = []  # chunks (no drafts) whose last output row samples or is kept
     n_rows = 0
@@ -60,7 +61,7 @@ def pick(
             mine = logits[first[id(c)] : first[id(c)] + c.length]
             if c.request.grammar is not None:
                 mine = mine.clone()  # the step's logits are an inference tensor: mask a copy
-            error = _constrain(mine, list(range(c.length)), c, masks)
+            error = _constrain(mine, list(range(c.length)), c, masks, kernels)
             picks[id(c)] = error or spec.verify(c, mine)
     sampled = [c for c in rows if c.samples]
     reqs = [c.request for c in sampled]
@@ -72,7 +73,7 @@ def pick(
         apply_biases(chosen, params, [len(r.output_ids) for r in reqs], eos)
     failed: dict[int, str] = {}
     for j, c in enumerate(sampled):  # the grammar's mask last: no penalty can bring a masked token back
-        if c.request.grammar is not None and (error := _constrain(chosen, [j], c, masks)) is not None:
+        if c.request.grammar is not None and (error := _constrain(chosen, [j], c, masks, kernels)) is not None:
             failed[j] = error.error or ""
     tokens = sample(chosen, params, [r.sampler for r in reqs], failed)
     wanted = [j for j, p in enumerate(params) if p.logprobs is not None and j not in failed]
@@ -105,13 +106,15 @@ def _score_prompt(c: ScheduledChunk, logits: torch.Tensor) -> None:
     req.prompt_lps += logprobs_of(logits[lo:hi], req.prompt_ids[at : at + hi - lo], [k] * (hi - lo))
 
 
-def _constrain(logits: torch.Tensor, rows: list[int], c: ScheduledChunk, masks: PendingMasks) -> Picked | None:
+def _constrain(
+    logits: torch.Tensor, rows: list[int], c: ScheduledChunk, masks: PendingMasks, kernels: ModuleType | None
+) -> Picked | None:
     """Mask ``logits`` rows (a chunk's next position, then one per draft token) to what the chunk's
     grammar allows; a grammar in an error state fails that request alone (the returned ``Picked``)."""
     if c.request.grammar is None:
         return None
     try:
-        apply_masks(logits, rows, masks.get(id(c), c.request.grammar, list(c.draft)))
+        apply_masks(logits, rows, masks.get(id(c), c.request.grammar, list(c.draft)), kernels)
     except GuideError as exc:
         return Picked([], [], str(exc))
     return None
@@ -122,9 +125,15 @@ class Outputs:
     computes a step's grammar masks beside its forward pass (``prefetch``)."""
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Tokenizer | None, eos_ids: Collection[int], max_model_len: int
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        eos_ids: Collection[int],
+        max_model_len: int,
+        kernels: ModuleType | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._kernels = kernels  # the CPU kernels: grammar masks applied in one C++ pass
         self._tokenizer = tokenizer
         self._eos_ids = frozenset(eos_ids)
         # a request ends with "length" at the model's context, or at the whole pool's if smaller: one that
@@ -137,7 +146,7 @@ class Outputs:
         self, sched: SchedulerOutput, hidden: torch.Tensor, logits_of: Logits, spec: Speculator, masks: PendingMasks
     ) -> dict[int, Picked]:
         """``pick`` with this engine's EOS ids (what ``min_tokens`` holds back)."""
-        return pick(sched, hidden, logits_of, spec, masks, self._eos_ids)
+        return pick(sched, hidden, logits_of, spec, masks, self._eos_ids, self._kernels)
 
     def prefetch(self, sched: SchedulerOutput) -> PendingMasks:
         """Start the step's grammar masks (``pick`` waits for them); call before the forward pass."""

@@ -420,6 +420,6 @@ void register_decode_step(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, std::vector<int64_t>,
                           torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)
-      .def("run", &FusedDecoder::run)
+      .def("run", &FusedDecoder::run, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("num_layers", &FusedDecoder::num_layers);
 }

@@ -104,6 +104,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
 }  // namespace
 
 void register_gemm(pybind11::module& m) {
-  m.def("gemm_bf16", &gemm_bf16, "small-batch bf16 GEMM over a VNNI-packed weight (AVX-512 BF16)");
+  m.def("gemm_bf16", &gemm_bf16, "small-batch bf16 GEMM over a VNNI-packed weight (AVX-512 BF16)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemm_bf16_supported", &supported, "whether this build has the AVX-512 BF16 GEMM");
 }

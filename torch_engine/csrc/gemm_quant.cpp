@@ -223,8 +223,10 @@ torch::Tensor rows_q16(int64_t kind, torch::Tensor qs16, torch::Tensor d16, torc
 
 void register_gemm_quant(pybind11::module& m) {
   m.def("repack_q16", &repack_q16, "packed weight -> groups of 16 interleaved outputs for the integer kernels");
-  m.def("quantize_act", &quantize_act, "activations -> int8 per 32-block (q, dx, s)");
-  m.def("gemm_q8", &gemm_q8, "integer GEMM: repacked weight x activations quantized per 32-block");
+  m.def("quantize_act", &quantize_act, "activations -> int8 per 32-block (q, dx, s)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gemm_q8", &gemm_q8, "integer GEMM: repacked weight x activations quantized per 32-block",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rows_q16", &rows_q16, "rows of a repacked weight (all if ids is empty), dequantised to fp32");
   m.def("i8_path", []() { return std::string(disagg_q::i8_path()); }, "the instruction set of the integer kernels");
 }

@@ -116,6 +116,32 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// Grammar masks: logits[rows[i], t] = -inf for every token t whose bit in masks[i] (int32 words, bit t % 32
+// of word t / 32) is clear; tokens past the mask's words are disallowed. In place; fp32 logits, rows unit-stride.
+void mask_logits(torch::Tensor logits, std::vector<int64_t> rows, torch::Tensor masks) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "mask_logits: fp32 CPU logits [S, V] with unit-stride rows");
+  TORCH_CHECK(masks.scalar_type() == torch::kInt && masks.dim() == 2 && masks.is_contiguous() &&
+                  masks.size(0) == static_cast<int64_t>(rows.size()),
+              "mask_logits: one contiguous int32 mask row per logits row");
+  const int64_t V = logits.size(1), W = masks.size(1), ld = logits.stride(0), S = logits.size(0);
+  float* L = logits.data_ptr<float>();
+  const uint32_t* M = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < S, "mask_logits: row ", rows[i], " out of range");
+    float* row = L + rows[i] * ld;
+    const uint32_t* m = M + static_cast<int64_t>(i) * W;
+    for (int64_t w = 0; w * 32 < V; ++w) {
+      const uint32_t bits = w < W ? m[w] : 0u;
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t t0 = w * 32, n = std::min<int64_t>(32, V - t0);
+      for (int64_t j = 0; j < n; ++j)
+        if (((bits >> j) & 1u) == 0u) row[t0 + j] = -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
 }  // namespace
 
 void register_gemm(pybind11::module& m);        // gemm_bf16.cpp
@@ -126,6 +152,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm(m);
   register_gemm_quant(m);
   register_decode_step(m);
-  m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)");
+  // the compute calls release the GIL: other Python threads (the grammar masks' worker, the messenger)
+  // run beside them
+  m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, fp32 accumulation (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mask_logits", &mask_logits, "grammar masks applied to fp32 logits in place (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
