@@ -38,6 +38,16 @@ class ResponseFormat(BaseModel):
             raise ValueError("type 'json_schema' needs a json_schema object")
         return self
 
+    @property
+    def reply_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a reply must satisfy (None: free text) — with ``tool_choice`` 'auto', a
+        reply that calls no tool."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema is None:
+            return {"type": "object"}
+        return self.json_schema.json_schema or {}
+
 
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs`` (one of its fields)."""

@@ -190,17 +190,6 @@ class ChatCompletionRequest(_Request):
             return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         return list(self.tools)
 
-    @property
-    def reply_schema(self) -> dict[str, Any] | None:
-        """With ``tool_choice`` 'auto': the JSON schema a reply that calls no tool must satisfy
-        (``response_format``), else None (free text)."""
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object" or rf.json_schema is None:
-            return {"type": "object"}
-        return rf.json_schema.json_schema or {}
-
     def _guides(self) -> dict[str, Guide]:
         found = super()._guides()
         if self.auto_tools:

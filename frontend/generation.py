@@ -187,7 +187,7 @@ class Generator:
 
     def _auto_guide(self, req: ChatCompletionRequest) -> tuple[str, Guide] | None:
         """``tool_choice`` 'auto': the tools' grammar, holding a reply without calls to ``response_format``."""
-        reply = req.reply_schema
+        reply = req.response_format.reply_schema if req.response_format is not None else None
         if reply is not None:
             try:
                 check_guide(schema_guide(reply))  # its own errors name its own field
