@@ -5,7 +5,8 @@ request under a JSON schema (an object whose one string must be at least ``--min
 that no request ends before the measured steps do). Measured: the wall time of every engine step
 in which the whole batch decodes (after each request's first token), median per run; reported: the
 medians, guided over free, and the issue's goal (constrained decoding costs <= 10 % of the decode
-step at batch 8). The guided replies are checked too: each one parses and satisfies the schema.
+step at batch 8). The guided replies are checked too, as far as a reply cut by ``--decode-tokens``
+can be: each one opens the schema's object (``{"description":``).
 The masks are computed on the engine's worker thread while the forward pass runs (``guided.py``).
 The CPU model and flags and the kernel path are recorded.
 """
