@@ -24,6 +24,7 @@ from tqdm import tqdm
 from builders.checkpoint import Checkpoint
 from builders.embedded import resolve_source
 from builders.errors import BuildError
+from builders.gguf_convert import same_format_for_fused
 from builders.gguf_import import load_gguf
 from builders.hf_import import load_hf_folder
 from builders.mtp_head import attach_head
@@ -32,7 +33,7 @@ from builders.sharding import check_tp, shard
 from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role, WeightStorage
 from torch_engine.quant import PACKED_KEY, Packed, QuantKind, Weight
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: a GGUF's K-quants converted, not dequantised, as stored
 
 __all__ = ["BuildError", "BuildOptions", "build_engine", "default_engine_dir", "load_checkpoint"]
 
@@ -129,6 +130,7 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
         ck = attach_head(ck, Path(opts.mtp_head))
     if opts.quantize is not None:
         ck, _ = quantize_checkpoint(ck, opts.quantize)
+    ck = same_format_for_fused(ck)
     check_tp(ck.config, opts.tp_size)
     packed_any = any(isinstance(w, Packed) for w in ck.tensors.values())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +152,7 @@ def build_engine(source: str, out: Path, opts: BuildOptions = BuildOptions(), pr
             fingerprint=fingerprint,
             has_tokenizer=has_tok,
             weights=WeightStorage.AS_STORED if packed_any else WeightStorage.DENSE,
+            conversion_error=ck.converted,
         ).save(tmp)
         if out.exists():
             shutil.rmtree(out)

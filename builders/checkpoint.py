@@ -4,7 +4,7 @@ dense or, from a GGUF file built ``as-stored``, kept packed (``torch_engine.quan
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from builders.errors import BuildError
@@ -18,6 +18,7 @@ class Checkpoint:
     tensors: dict[str, Weight]  # Hugging Face names, full shapes
     save_tokenizer: Callable[[Path], bool]  # writes tokenizer files into a folder; False if there is none
     name: str
+    converted: dict[str, float] = field(default_factory=dict)  # a GGUF's formats converted: relative RMS error
 
     def get(self, name: str) -> Weight:
         try:

@@ -1,5 +1,6 @@
 """Import a llama-architecture GGUF file (e.g. the packaged SmolLM2 Q4_1): rename, un-permute, and either
-keep the quantized tensors as stored (``packed``: Q8_0 / Q4_0 / Q4_1, ``torch_engine.quant``) or dequantise.
+keep the quantized tensors as stored (``packed``: Q8_0 / Q4_0 / Q4_1, ``torch_engine.quant``; other quantized
+formats converted into those, ``builders/gguf_convert.py``) or dequantise.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that rotary pairs are
 interleaved; HF (and this engine) pair dimension i with i + head_dim/2, so the permutation
@@ -8,6 +9,7 @@ is undone here.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,12 @@ from gguf.quants import dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
+from builders.gguf_convert import convert, converts
+from builders.quantize import QuantReport
 from torch_engine.config import Family, ModelConfig
-from torch_engine.quant import Packed, QuantKind, Weight, from_gguf_blocks
+from torch_engine.quant import BLOCK, Packed, QuantKind, Weight, from_gguf_blocks
+
+log = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -46,13 +52,18 @@ def _unpermute(w: Weight, n_heads: int) -> Weight:
     return w.rows(order) if isinstance(w, Packed) else w[order]
 
 
-def _tensor(path: Path, t: Any, packed: bool) -> Weight:
+def _tensor(path: Path, t: Any, packed: bool, report: QuantReport) -> Weight:
     kinds = {int(k) for k in QuantKind}
-    if packed and int(t.tensor_type) in kinds and len(t.shape) == 2:
-        try:  # GGUF lists dimensions innermost first: [K, N]
-            return from_gguf_blocks(QuantKind(int(t.tensor_type)), t.data, (int(t.shape[1]), int(t.shape[0])))
-        except ValueError as exc:
-            raise BuildError(f"{path}: {t.name}: {exc}") from exc
+    shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None  # GGUF lists [K, N]
+    try:
+        if packed and shape is not None and int(t.tensor_type) in kinds:
+            return from_gguf_blocks(QuantKind(int(t.tensor_type)), t.data, shape)
+        if packed and shape is not None and shape[1] % BLOCK == 0 and converts(t.tensor_type):
+            return convert(t.tensor_type, t.data, shape, report)
+    except ValueError as exc:
+        raise BuildError(f"{path}: {t.name}: {exc}") from exc
+    except NotImplementedError as exc:
+        raise BuildError(f"{path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
     try:
         arr = dequantize(t.data, t.tensor_type)
     except (ValueError, NotImplementedError) as exc:
@@ -67,7 +78,9 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     """The checkpoint in ``path``; ``packed``: 2-D tensors in a block format the engine computes with
-    (Q8_0, Q4_0, Q4_1) stay as stored, every other tensor is dequantised to fp32."""
+    (Q8_0, Q4_0, Q4_1) stay as stored, those in another quantized format are converted into one
+    (``builders/gguf_convert.py``: the K-quants, Q5_0 / Q5_1, ...; the error in ``Checkpoint.converted``);
+    otherwise every tensor is dequantised to fp32."""
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as exc:
@@ -84,13 +97,14 @@ def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(_field(reader, p + "vocab_size", len(tokens.data) if tokens is not None else 0))
     tensors: dict[str, Weight] = {}
+    report = QuantReport()
     for t in reader.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
             name = f"model.layers.{layer}.{_LAYER_NAMES.get(rest, rest)}"
         else:
             name = _GLOBAL_NAMES.get(t.name, t.name)
-        w = _tensor(path, t, packed)
+        w = _tensor(path, t, packed, report)
         if name.endswith("q_proj.weight"):
             w = _unpermute(w, heads)
         elif name.endswith("k_proj.weight"):
@@ -124,4 +138,6 @@ def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
         tok.save_pretrained(str(out))
         return True
 
-    return Checkpoint(cfg, tensors, save_tokenizer, path.stem)
+    if report.tensors:
+        log.info("%s: converted at build time: %s", path.name, report.summary())
+    return Checkpoint(cfg, tensors, save_tokenizer, path.stem, report.errors())

@@ -55,4 +55,4 @@ def attach_head(ck: Checkpoint, path: Path) -> Checkpoint:
     cfg = with_mtp(ck.config, 1, head)
     if not cfg.num_mtp_layers:
         raise BuildError(f"MTP head {path} holds no tensors")
-    return Checkpoint(cfg, {**ck.tensors, **head}, ck.save_tokenizer, f"{ck.name}+mtp")
+    return Checkpoint(cfg, {**ck.tensors, **head}, ck.save_tokenizer, f"{ck.name}+mtp", ck.converted)

@@ -46,23 +46,29 @@ class QuantReport:
     err2: dict[str, float] = field(default_factory=dict)
     norm2: dict[str, float] = field(default_factory=dict)
 
-    def add(self, kind: QuantKind, dense: torch.Tensor, packed: Packed) -> None:
-        k = kind.name
+    def add(self, key: QuantKind | str, dense: torch.Tensor, packed: Packed) -> None:
+        """One tensor ``dense`` replaced by ``packed``, under ``key`` (a format, or a conversion's name)."""
+        k = key.name if isinstance(key, QuantKind) else key
         diff = packed.dequantize().double() - dense.double()
         self.tensors[k] = self.tensors.get(k, 0) + 1
         self.weights[k] = self.weights.get(k, 0) + dense.numel()
         self.err2[k] = self.err2.get(k, 0.0) + float((diff * diff).sum())
         self.norm2[k] = self.norm2.get(k, 0.0) + float((dense.double() ** 2).sum())
 
-    def relative_rms(self, kind: QuantKind) -> float:
-        """sqrt(sum of squared errors / sum of squared weights) over the tensors of ``kind``."""
-        n = self.norm2.get(kind.name, 0.0)
-        return float(np.sqrt(self.err2.get(kind.name, 0.0) / n)) if n else 0.0
+    def relative_rms(self, key: QuantKind | str) -> float:
+        """sqrt(sum of squared errors / sum of squared weights) over the tensors of ``key``."""
+        k = key.name if isinstance(key, QuantKind) else key
+        n = self.norm2.get(k, 0.0)
+        return float(np.sqrt(self.err2.get(k, 0.0) / n)) if n else 0.0
+
+    def errors(self) -> dict[str, float]:
+        """Each key's relative RMS error (the engine manifest's ``converted``)."""
+        return {k: self.relative_rms(k) for k in sorted(self.tensors)}
 
     def summary(self) -> str:
         return "; ".join(
             f"{k}: {self.tensors[k]} tensors, {self.weights[k]:,} weights, relative RMS error "
-            f"{100 * self.relative_rms(QuantKind[k]):.2f}%"
+            f"{100 * self.relative_rms(k):.3g}%"
             for k in sorted(self.tensors)
         )
 
@@ -101,4 +107,5 @@ def quantize_checkpoint(ck: Checkpoint, kind: QuantKind) -> tuple[Checkpoint, Qu
         report.add(target, w, packed)
         tensors[name] = packed
     log.info("quantized %s at build time: %s", ck.name, report.summary())
-    return Checkpoint(ck.config, tensors, ck.save_tokenizer, ck.name), report
+    errors = {**ck.converted, **{f"dense->{k}": e for k, e in report.errors().items()}}
+    return Checkpoint(ck.config, tensors, ck.save_tokenizer, ck.name, errors), report

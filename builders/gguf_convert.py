@@ -1,0 +1,155 @@
+"""GGUF block formats the engine does not compute with, converted at build time into ones it does.
+
+Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
+sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights. With ``--weights
+as-stored`` (the default) each 2-D tensor in such a format becomes one of the engine's block formats
+(``torch_engine/quant.py``), so the integer kernels read it packed instead of a dense bf16 copy:
+
+- **Q4_K -> Q4_1.** A Q4_K super-block is 8 sub-blocks of 32 weights, each ``d * sc * q - dmin * m``
+  with q in 0..15 and 6-bit sc, m: a Q4_1 block with scale ``d * sc`` and minimum ``-dmin * m``. The
+  quants are kept; Q4_1 stores scale and minimum in fp16, so those two products are rounded to fp16
+  (each within 2^-11 of itself relatively): the only error.
+- **Q5_0 -> Q8_0**, exact: ``d * (q - 16)`` with q - 16 in -16..15 is a Q8_0 block as it stands.
+- **Every other quantized format** gguf can dequantise (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, the IQ
+  formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
+  within half its block's new step (max |w| / 254), finer than every source format's own step.
+- F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q4_0 | q4_1`` quantizes them).
+
+The error of each conversion is measured against gguf's dequantisation of the source (the relative
+RMS over the tensors converted) and reported (``QuantReport``; the build logs it and writes it into
+the engine's manifest).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from builders.checkpoint import Checkpoint
+from builders.quantize import QuantReport, quantize_tensor
+from torch_engine.quant import BLOCK, Packed, QuantKind
+
+log = logging.getLogger(__name__)
+
+_K = GGMLQuantizationType
+_Q4_K_BYTES = 144  # d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of 4-bit quants
+_Q5_0_BYTES = 22  # d (fp16), 4 bytes of high bits, 16 bytes of low nibbles
+_DENSE = {_K.F32, _K.F16, _K.BF16, _K.F64, _K.I8, _K.I16, _K.I32, _K.I64}
+
+
+def converts(qtype: GGMLQuantizationType) -> bool:
+    """Whether a tensor stored as ``qtype`` is converted (rather than kept as stored, or left dense)."""
+    return int(qtype) not in {int(k) for k in QuantKind} and qtype not in _DENSE
+
+
+def target(qtype: GGMLQuantizationType) -> QuantKind:
+    """The engine format a ``qtype`` tensor becomes."""
+    return QuantKind.Q4_1 if qtype is _K.Q4_K else QuantKind.Q8_0
+
+
+def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], report: QuantReport) -> Packed:
+    """A GGUF tensor's raw blocks (``GGUFReader``'s ``data``) of ``shape`` ``[N, K]`` (K a multiple of 32)
+    -> the engine's packed form, its error against gguf's dequantisation added to ``report``."""
+    n, k = shape
+    exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
+    if qtype is _K.Q4_K:
+        packed = _q4_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q4_K_BYTES), n, k)
+    elif qtype is _K.Q5_0:
+        packed = _q5_0(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q5_0_BYTES), exact)
+    else:
+        packed = quantize_tensor(exact, QuantKind.Q8_0)
+    report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
+    return packed
+
+
+def _q4_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [S, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _scale_min(blocks[:, 4:16])  # [S, 8] each, 0..63
+    scale = (d * sc.astype(np.float32)).astype(np.float16)  # fp32 products are exact; fp16 rounds them
+    minimum = (-(dmin * mn.astype(np.float32))).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        raise ValueError("a Q4_K scale or minimum does not fit fp16")
+    # quants: 4 chunks of 32 bytes, low nibbles sub-block 2c, high nibbles 2c + 1 (element j from byte j)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 32)  # [S, sub-block, element]
+    packed_q = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1: byte j = element j | element j + 16 << 4
+    nb = k // BLOCK
+    return Packed(
+        QuantKind.Q4_1,
+        torch.from_numpy(np.ascontiguousarray(packed_q).reshape(n, nb * 16)),
+        torch.from_numpy(np.ascontiguousarray(scale).reshape(n, nb)),
+        torch.from_numpy(np.ascontiguousarray(minimum).reshape(n, nb)),
+    )
+
+
+def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes per super-block -> 8 scales and 8 minimums of 6 bits (llama.cpp's
+    ``get_scale_min_k4``: the first four in the low 6 bits of bytes 0-3 / 4-7, the last four split
+    over bytes 8-11 and the top bits of bytes 0-7)."""
+    s = scales.reshape(-1, 3, 4)
+    a, b, c = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
+def _q5_0(blocks: np.ndarray, exact: torch.Tensor) -> Packed:
+    n, k = exact.shape
+    d16 = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // BLOCK)
+    d = torch.from_numpy(d16.astype(np.float32)).reshape(n, k // BLOCK, 1)
+    # the dequantised weight is d * (q - 16) computed exactly in fp32, so dividing by d gives q - 16 back
+    q = torch.where(d != 0, exact.reshape(n, k // BLOCK, BLOCK) / torch.where(d != 0, d, 1.0), 0.0)
+    return Packed(QuantKind.Q8_0, q.round().to(torch.int8).reshape(n, k), torch.from_numpy(d16.copy()))
+
+
+# ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------
+# llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K).
+
+_FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
+_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q8_0: 2}  # the finer format wins
+
+
+def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
+    """``ck`` with the members of each fused group in one format: all packed ones in the finest format
+    among them (Q4_0 -> Q4_1 and Q4_0 -> Q8_0 exactly; Q4_1 -> Q8_0 requantized, the error recorded in
+    ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in ck.tensors:
+        for i, pattern in enumerate(_FUSED):
+            if (m := pattern.fullmatch(name)) is not None:
+                groups.setdefault((m.group(1), i), []).append(name)
+    tensors, report = dict(ck.tensors), QuantReport()
+    for names in groups.values():
+        ws = [tensors[n] for n in names]
+        kinds = {w.kind for w in ws if isinstance(w, Packed)}
+        if len(kinds) == 0 or (len(kinds) == 1 and all(isinstance(w, Packed) for w in ws)):
+            continue
+        if not all(isinstance(w, Packed) for w in ws):
+            for n, w in zip(names, ws, strict=True):
+                tensors[n] = w.dequantize() if isinstance(w, Packed) else w
+            continue
+        kind = max(kinds, key=_BITS.__getitem__)
+        for n, w in zip(names, ws, strict=True):
+            if isinstance(w, Packed) and w.kind is not kind:
+                tensors[n] = _as(w, kind)
+                report.add(f"{w.kind.name}->{kind.name}", w.dequantize(), tensors[n])  # type: ignore[arg-type]
+    if report.tensors:
+        log.info("%s: fused weights brought to one format: %s", ck.name, report.summary())
+    return Checkpoint(ck.config, tensors, ck.save_tokenizer, ck.name, {**ck.converted, **report.errors()})
+
+
+def _as(w: Packed, kind: QuantKind) -> Packed:
+    n, k = w.shape
+    if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q4_1 and bool((w.d.abs() < 8000).all()):
+        return Packed(kind, w.qs, w.d, -8 * w.d)  # d (q - 8) = d q + (-8 d): exact in fp16
+    if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q8_0:  # q - 8 in -8..7 with the same scale: exact
+        raw = w.qs.reshape(n, k // BLOCK, BLOCK // 2)
+        q = torch.cat((raw & 0x0F, raw >> 4), dim=2).to(torch.int8) - 8
+        return Packed(kind, q.reshape(n, k), w.d)
+    return quantize_tensor(w.dequantize(), kind)
