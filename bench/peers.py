@@ -108,12 +108,20 @@ def llamacpp_points(
 
 
 def _stored_type(path: Path) -> str:
-    """The file's most common tensor type among its 2-D weights (Q4_1 for the embedded SmolLM2)."""
+    """The file's type as llama.cpp names it (``general.file_type``: Q4_1 for the embedded SmolLM2, Q4_K_M
+    for a mix), else its most common tensor type among its 2-D weights."""
     from collections import Counter
 
-    from gguf import GGUFReader
+    from gguf import GGUFReader, LlamaFileType
 
-    types = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2)
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.file_type")
+    if field is not None:
+        try:
+            return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+        except ValueError:
+            pass  # a type this gguf version does not know: fall back to the tensors
+    types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
     return types.most_common(1)[0][0] if types else "?"
 
 

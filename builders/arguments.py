@@ -26,10 +26,12 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
         "--weights",
         choices=[*WEIGHTS, *QUANTIZE],
         default="as-stored",
-        help="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized and the engine computes with them; "
-        "bf16 / fp32: every weight dequantised to that dtype (sets --dtype); q8_0 / q4_0 / q4_1: as-stored, and "
-        "the dense GEMM weights left (a Hugging Face checkpoint's, a GGUF's K-quants) quantized to that format "
-        "at build time (embedding and lm_head Q8_0; the error is logged)",
+        help="as-stored: a GGUF's Q8_0 / Q4_0 / Q4_1 tensors stay quantized and the engine computes with them, "
+        "its other quantized tensors are converted into those (Q4_K -> Q4_1, Q5_0 -> Q8_0 exactly, Q6_K and the "
+        "rest -> Q8_0; the error is logged and kept in engine.json); bf16 / fp32: every weight dequantised to "
+        "that dtype (sets --dtype); q8_0 / q4_0 / q4_1: as-stored, and the dense GEMM weights left (a Hugging "
+        "Face checkpoint's, a GGUF's F16) quantized to that format at build time (embedding and lm_head Q8_0; "
+        "the error is logged)",
     )
 
 

@@ -1,7 +1,7 @@
 """Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q4_0 | q4_1``).
 
-A Hugging Face checkpoint, or the tensors of a GGUF file the engine cannot compute with as stored
-(the K-quants, F16, ...: dequantised on import), become the block formats the engine's integer
+A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
+are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
 kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantizer — the file a
 ``llama-quantize`` run would write for those tensors:
 
