@@ -253,6 +253,24 @@ inline void chunk_plain(const float* qf, const float* const* krow, const float* 
   }
 }
 
+// The K / V rows of the chunk at token `cs` (if it is before t1) into the cache, one prefetch a cache line:
+// issued while the chunk before it is computed, it hides the DRAM latency of a page that lies anywhere
+// (SmolLM2, batch 8 at 1k tokens of context, AVX-512 Zen 4: the attention 19 -> 16.5 ms of a 26 ms step
+// at one thread, the step -6 % at two; two chunks ahead was slower).
+template <typename T>
+inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t cs, int64_t t1,
+                           int64_t D, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride) {
+  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t t = cs; t < std::min(cs + CHUNK, t1); ++t) {
+    const T* b = pool + row[t / P] * page_stride + (t % P) * token_stride;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; d += LINE) {
+        __builtin_prefetch(b + h * head_stride + d, 0, 3);
+        __builtin_prefetch(b + h * head_stride + kv_stride + d, 0, 3);
+      }
+  }
+}
+
 // Tokens [t0, t1) of a sequence whose pages are `row` (page i holds tokens [i * P, (i + 1) * P)), for all
 // H KV heads at once: a chunk of tokens is read head after head, which walks each page in address order
 // (reading one head's slice of every page instead runs at a third of the bandwidth here). `pool` points at
@@ -294,6 +312,7 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
     const int64_t len = std::min(CHUNK, t1 - cs);
     for (int64_t t = 0; t < len; ++t) base[t] = pool + row[(cs + t) / P] * page_stride + ((cs + t) % P) * token_stride;
+    prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (D % 32 == 0) {
