@@ -78,9 +78,10 @@ def test_grouped_weights_dequantise_bit_equal(kind: QuantKind) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
 def test_integer_gemm_errs_only_by_the_activations_rounding(kind: QuantKind, rows: int) -> None:
-    """A Linear on a weight kept as stored: up to 16 rows on the integer kernel, whose result differs
-    from the dequantised weight's exact GEMM by at most |W| x half a quantization step of each block
-    of activations; more rows (prefill) on the dense GEMM of the dequantised weight."""
+    """A Linear on a weight kept as stored: on the integer kernel (any number of rows with AVX-512 VNNI,
+    else up to 16), whose result differs from the dequantised weight's exact GEMM by at most |W| x half a
+    quantization step of each block of activations; more rows (prefill on AVX2 / scalar kernels) on the
+    dense GEMM of the dequantised weight."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no compiler here: the engine dequantises packed weights at load")
@@ -97,7 +98,8 @@ def test_integer_gemm_errs_only_by_the_activations_rounding(kind: QuantKind, row
     bound = (step / 2).repeat_interleave(32, dim=1) @ w.abs().T  # |W| x half a step, per output
     dense_err = (x @ w.float().T + bias - exact).abs()
     err = (lin(x).double() - exact).abs()
-    if rows <= Linear.QUANT_ROWS:
+    assert lin.quant_rows >= 16 and (lin.quant_rows > 40) == (kernels.i8_path() == "avx512-vnni")
+    if rows <= lin.quant_rows:
         assert bool((err <= bound * 1.001 + 1e-5).all()), float((err - bound).max())
         assert float(err.max()) > float(dense_err.max())  # it is the integer path
     else:
