@@ -33,6 +33,42 @@ def test_paged_decode_attention_equals_gather_and_softmax(layout: KVLayout, dtyp
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "kv_heads", "first", "length"), [
+    (64, 3, 0, 100),   # a prompt from its start (SmolLM2's heads)
+    (64, 3, 37, 50),   # a later chunk: every earlier key visible, causal inside the chunk
+    (128, 2, 5, 33),   # Llama-size heads
+    (96, 4, 0, 21),    # a head size without its own build, no grouping
+    (64, 1, 3, 1),     # one token, every query head on one KV head
+])  # fmt: skip
+def test_paged_prefill_attention_equals_causal_sdpa(
+    layout: KVLayout, dtype: torch.dtype, head_dim: int, kv_heads: int, first: int, length: int
+) -> None:
+    """A prefill chunk read in place from scattered pages equals PyTorch's SDPA over the gathered keys with
+    the chunk's causal mask (query i sees keys 0 .. first + i)."""
+    if KERNELS is None or not KERNELS.prefill_attention_supported():
+        pytest.skip("this CPU has no AVX-512: prefill attention runs PyTorch's SDPA")
+    torch.manual_seed(1)
+    kv = PagedKVCache(KVCacheSpec(1, 40, 16, layout, dtype, kv_heads=kv_heads, head_dim=head_dim))
+    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))
+    kv.kernels = KERNELS
+    pages = -(-(first + length) // 16)
+    table = torch.randperm(40)[:pages][None]
+    q = (3 * torch.randn(length, 3 * kv_heads, head_dim)).to(dtype)
+    k, v = kv.gather_kv(0, table)  # [1, Hkv, pages * 16, D]
+    s = first + length
+    mask = torch.arange(s)[None, :] <= first + torch.arange(length)[:, None]
+    want = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k[:, :, :s].float(), v[:, :, :s].float(), attn_mask=mask[None, None],
+        scale=0.125, enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    got = kv.prefill_attention(0, q, table, first, 0.125)
+    assert got is not None and got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
+    assert kv.prefill_attention(0, q[:, :, :24].contiguous(), table, first, 0.125) is None  # 24: not a multiple of 16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm(dtype: torch.dtype) -> None:
     assert KERNELS is not None

@@ -21,6 +21,7 @@ class PrefillSegment:
     end: int
     page_table: torch.Tensor  # [1, M]
     mask: torch.Tensor  # [1, 1, L, M * page_size] bool: True = attend
+    first: int = 0  # the chunk's first position (keys before it are the sequence's earlier tokens)
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ def decode_attention(
 
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PrefillFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor | None]
 
 
 def paged_attention(
@@ -101,12 +103,15 @@ def paged_attention(
     scale: float,
     v_dim: int,
     decode: DecodeFn | None = None,
+    prefill: PrefillFn | None = None,
 ) -> torch.Tensor:
     """Attention of every row of ``q`` (``[T, Hq, D]``) over its sequence's pages -> ``[T, Hq, v_dim]``.
 
     ``gather(page_table)`` returns the K and V (``[B, Hkv, S, D]``) of the sequences in a page
     table. ``decode(q_rows, page_table, mask)``, if given, computes the single-query rows
     (``[B, Hq, D]`` -> ``[B, Hq, v_dim]``); by default they go through ``gather`` and ``attend``.
+    ``prefill(q_chunk, page_table, first)``, if given, computes a prefill chunk (``[L, Hq, D]`` at
+    positions ``first..``, causal) or returns None, and the chunk goes through ``gather`` and ``attend``.
     """
     if decode is None:
 
@@ -121,7 +126,12 @@ def paged_attention(
     if meta.decode_rows is not None and table is not None and mask is not None:
         out[meta.decode_rows] = decode(q[meta.decode_rows], table, mask)
     for seg in meta.prefills:
+        chunk = q[seg.start : seg.end]
+        fused = prefill(chunk, seg.page_table, seg.first) if prefill is not None else None
+        if fused is not None:
+            out[seg.start : seg.end] = fused
+            continue
         k, v = gather(seg.page_table)
-        o = attend(q[seg.start : seg.end].transpose(0, 1).unsqueeze(0), k, v, seg.mask, scale)
+        o = attend(chunk.transpose(0, 1).unsqueeze(0), k, v, seg.mask, scale)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out

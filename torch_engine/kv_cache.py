@@ -125,6 +125,26 @@ class PagedKVCache:
         kh, ps = self.spec.kv_heads, self.spec.page_size
         return self.kernels.paged_decode_attention(q, pool, page_table, kv_lens, kh, st[0], head, kv, token, ps, scale)
 
+    def prefill_attention(
+        self, layer: int, q: torch.Tensor, page_table: torch.Tensor, first: int, scale: float
+    ) -> torch.Tensor | None:
+        """A causal prefill chunk (``q`` ``[L, Hq, D]`` at positions ``first..``) over its sequence's pages
+        (``page_table`` ``[1, M]``) with the compiled kernel, reading K/V in place; None when it does not
+        apply here (no kernels or no AVX-512, another device, MLA, a head size not a multiple of 16)."""
+        pool = self.pools[layer]
+        k = self.kernels
+        if k is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+            return None
+        if q.shape[-1] % 16 or q.shape[-1] > 256 or not k.prefill_attention_supported():
+            return None
+        st = pool.stride()
+        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
+            head, kv, token = st[1], st[2], st[3]
+        else:  # [N, P, H, 2, D]
+            token, head, kv = st[1], st[2], st[3]
+        kh, ps = self.spec.kv_heads, self.spec.page_size
+        return k.paged_prefill_attention(q, pool, page_table[0], first, kh, st[0], head, kv, token, ps, scale)
+
     def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store the MLA latent (``[T, L]``) of T tokens."""
         self.pools[layer][pages, offsets] = latent

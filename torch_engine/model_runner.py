@@ -137,7 +137,7 @@ class ModelRunner:
         for start, end, first, table in s.prefills:
             width = table.shape[1] * self.page_size
             mask = context_mask(first, end - start, first + end - start, width, torch.device("cpu")).to(d)
-            meta.prefills.append(PrefillSegment(start, end, table.to(d), mask))
+            meta.prefills.append(PrefillSegment(start, end, table.to(d), mask, first))
         return meta
 
     @torch.inference_mode()

@@ -54,7 +54,10 @@ class LlamaAttention(nn.Module):
                 else decode_attention(qd, *kv.gather_pages_kv(layer, table), mask, self.scale)
             )
 
-        out = paged_attention(q, meta, lambda table: kv.gather_kv(layer, table), self.scale, self.d, decode)
+        def prefill(qp: torch.Tensor, table: torch.Tensor, first: int) -> torch.Tensor | None:
+            return kv.prefill_attention(layer, qp, table, first, self.scale)
+
+        out = paged_attention(q, meta, lambda table: kv.gather_kv(layer, table), self.scale, self.d, decode, prefill)
         return self.tp.all_reduce(self.o(out.reshape(t, -1)))
 
 
