@@ -34,7 +34,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 
 
 def build_dir() -> Path:
-    texts = [p.read_text() for p in [*SOURCES, *HEADERS]]
+    texts = [p.read_text(encoding="utf-8") for p in [*SOURCES, *HEADERS]]  # whatever the locale (Triton: ASCII)
     key = "|".join([torch.__version__, *CFLAGS, *sorted(cpu_info().flags), *texts])
     return BUILD_ROOT / hashlib.sha256(key.encode()).hexdigest()[:16]
 

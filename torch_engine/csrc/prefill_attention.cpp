@@ -9,8 +9,8 @@
 // PyTorch's CPU flash SDPA runs these at ~19 GMAC/s of useful work on a Zen 4 core (it computes the masked
 // half too); here, per KV head, the keys are converted once to fp32 and transposed in blocks of 16 (so a
 // block's 16 scores of a query row are 16 lanes of one accumulator: no horizontal sums) and the values to
-// fp32 rows; then jobs of (KV head, 16 query positions) — their G query heads each, 4 rows at a time sharing
-// every key and value load — walk the key blocks up to the diagonal only, with an online softmax in fp32.
+// fp32 rows; then jobs of (KV head, 16 query positions) (their G query heads each, 4 rows at a time sharing
+// every key and value load) walk the key blocks up to the diagonal only, with an online softmax in fp32.
 // D must be a multiple of 16 (<= 256); prefill_attention_supported() says whether this build has the kernel.
 
 #include <torch/extension.h>
