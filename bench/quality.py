@@ -78,11 +78,15 @@ def measure_quality(engine_dir: Path, run_dtype: DType | Literal["auto"], max_to
         cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=fast, dtype=dtype, num_pages=max_tokens // 4)
         return LLMEngine(cfg.model_copy(update={"scheduler": sched}))
 
-    ref = engine(False, 512)
+    fast16 = engine(True, 16)
+    # the reference in the dtype the fast path runs: a concrete one, since `dtype: auto` itself turns the fast
+    # CPU path on (kept packed, integer GEMMs), which is what this compares against
+    ref = engine(False, 512, DType(str(fast16.describe().dtype).removeprefix("torch.")))
+    assert "int8" not in ref.kernel_path, ref.kernel_path
     assert ref.tokenizer is not None, "the quality measurement needs the engine's tokenizer"
     ids = ref.tokenizer.encode(LONG_TEXT.read_text(encoding="utf-8"))[:max_tokens]
     a = prompt_logprobs(ref, ids, top=1)
-    b = prompt_logprobs(engine(True, 16), ids, top=1)
+    b = prompt_logprobs(fast16, ids, top=1)
 
     def ppl(lps: list[TokenLogprobs]) -> float:
         return math.exp(-sum(x.logprob for x in lps) / len(lps))

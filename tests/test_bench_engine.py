@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from disagg.cli import main
+from torch_engine.kernels import cpu_kernels
 
 
 def test_bench_engine_reports_points_floor_and_path(tiny_engine_dir, tmp_path: Path) -> None:
@@ -45,3 +46,11 @@ def test_bench_engine_quality_compares_with_the_dequantised_path(smollm2_dir: Pa
         assert 0.9 < q[key] / q["ppl_dequantised"] < 1.1
     assert 0.8 <= q["top1_agreement"] <= 1.0
     assert "perplexity_within_0.5pct_of_the_dequantised_path" in json.loads(out.read_text())["goals"]
+    # `dtype: auto` turns the fast path on by itself: the reference must still be the dequantised path (it was
+    # the fast path, and the comparison 1.0 exactly, once prefill rows took the integer GEMM too)
+    args[args.index("float32")] = "auto"
+    assert main(args) == 0
+    q = json.loads(out.read_text(encoding="utf-8"))["quality"]
+    assert 0.9 < q["ppl_prefill"] / q["ppl_dequantised"] < 1.1
+    if cpu_kernels() is not None:  # the integer kernels: the two paths differ in the activations' rounding
+        assert q["ppl_prefill"] != q["ppl_dequantised"]
