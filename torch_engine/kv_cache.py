@@ -109,21 +109,28 @@ class PagedKVCache:
             return g[:, :, :, 0], g[:, :, :, 1]  # [B, M, H, 2, P, D] -> [B, M, H, P, D]
         return g[..., 0, :].transpose(2, 3), g[..., 1, :].transpose(2, 3)  # [B, M, P, H, 2, D]
 
+    def _kernel_pool(self, layer: int, q: torch.Tensor) -> tuple[ModuleType, torch.Tensor, list[int]] | None:
+        """The compiled kernels, a layer's pool and its (page, head, kv, token) strides, if the attention
+        kernels apply to ``q`` here (kernels loaded, CPU, not MLA, the pool's dtype); else None."""
+        pool, k = self.pools[layer], self.kernels
+        if k is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+            return None
+        st = pool.stride()
+        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
+            return k, pool, [st[0], st[1], st[2], st[3]]
+        return k, pool, [st[0], st[2], st[3], st[1]]  # [N, P, H, 2, D]
+
     def decode_attention(
         self, layer: int, q: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
         """GQA decode rows (``q`` ``[B, Hq, D]``) over their pages with the fused kernel, reading K/V in
         place; None when the kernel does not apply here (no kernels, another device, MLA)."""
-        pool = self.pools[layer]
-        if self.kernels is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+        found = self._kernel_pool(layer, q)
+        if found is None:
             return None
-        st = pool.stride()
-        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
-            head, kv, token = st[1], st[2], st[3]
-        else:  # [N, P, H, 2, D]
-            token, head, kv = st[1], st[2], st[3]
+        k, pool, (page, head, kv, token) = found
         kh, ps = self.spec.kv_heads, self.spec.page_size
-        return self.kernels.paged_decode_attention(q, pool, page_table, kv_lens, kh, st[0], head, kv, token, ps, scale)
+        return k.paged_decode_attention(q, pool, page_table, kv_lens, kh, page, head, kv, token, ps, scale)
 
     def prefill_attention(
         self, layer: int, q: torch.Tensor, page_table: torch.Tensor, first: int, scale: float
@@ -131,19 +138,12 @@ class PagedKVCache:
         """A causal prefill chunk (``q`` ``[L, Hq, D]`` at positions ``first..``) over its sequence's pages
         (``page_table`` ``[1, M]``) with the compiled kernel, reading K/V in place; None when it does not
         apply here (no kernels or no AVX-512, another device, MLA, a head size not a multiple of 16)."""
-        pool = self.pools[layer]
-        k = self.kernels
-        if k is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+        found = self._kernel_pool(layer, q)
+        if found is None or q.shape[-1] % 16 or q.shape[-1] > 256 or not found[0].prefill_attention_supported():
             return None
-        if q.shape[-1] % 16 or q.shape[-1] > 256 or not k.prefill_attention_supported():
-            return None
-        st = pool.stride()
-        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
-            head, kv, token = st[1], st[2], st[3]
-        else:  # [N, P, H, 2, D]
-            token, head, kv = st[1], st[2], st[3]
+        k, pool, (page, head, kv, token) = found
         kh, ps = self.spec.kv_heads, self.spec.page_size
-        return k.paged_prefill_attention(q, pool, page_table[0], first, kh, st[0], head, kv, token, ps, scale)
+        return k.paged_prefill_attention(q, pool, page_table[0], first, kh, page, head, kv, token, ps, scale)
 
     def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store the MLA latent (``[T, L]``) of T tokens."""

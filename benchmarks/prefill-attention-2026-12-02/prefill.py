@@ -8,21 +8,20 @@ the median of 5 (BENCHMARKS.md, "Long prompts"); `sdpa` turns the prefill kernel
 
 from __future__ import annotations
 
-import statistics
+import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.engine import Options, _engine, _prompts
+from bench.engine import Options, _engine
+from bench.profile import prefill_time
 from builders import BuildOptions, build_engine
 from torch_engine.config import DType
 from torch_engine.kv_cache import PagedKVCache
-from torch_engine.sampling import SamplingParams
 
 
 def main() -> None:
@@ -33,17 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = build_engine("smollm2", Path(tmp) / "e", BuildOptions(dtype=DType.FLOAT32), progress=False)
         opts = Options(engine_dir, "cpu", "auto", [threads], tokens, 32, [1], 1, False, None)
-        engine = _engine(opts)
-        times = []
-        for rep in range(5):
-            rid = engine.add_request(_prompts(1, tokens, 49152, rep)[0], SamplingParams(max_tokens=1, ignore_eos=True))
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-            while engine.has_unfinished():
-                engine.step()
-            engine.retire(rid)
-    s = statistics.median(times)
+        s = prefill_time(_engine(opts), tokens, 5, random.Random(0))
     print(f"threads {threads} {which:6s}: prefill {tokens} in {1e3 * s:.0f} ms = {tokens / s:.0f} tok/s")
 
 
