@@ -132,6 +132,21 @@ def test_dense_and_kept_formats_are_not_converted() -> None:
     assert not any(converts(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1))
 
 
+def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Path) -> None:
+    """Q8_K (llama.cpp's intermediate format; gguf's Python package has no dequantisation for it) in a file:
+    the import fails with a BuildError naming the tensor and its type, packed or dense."""
+    from types import SimpleNamespace
+
+    from builders.errors import BuildError
+    from builders.gguf_import import _tensor
+
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.Q8_K, shape=[256, 4],
+                        data=np.zeros((4, 292), dtype=np.uint8))  # fmt: skip
+    for packed in (True, False):
+        with pytest.raises(BuildError, match=r"blk\.0\.ffn_down\.weight \(Q8_K\)"):
+            _tensor(tmp_path / "x.gguf", t, packed, QuantReport())
+
+
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
     """The embedded file with every layer's FFN-down weight in Q4_K (1536 columns) and its q, k, v (576
     columns, not a multiple of 256) in Q5_0; everything else as it was (Q4_1, the embedding Q8_0)."""

@@ -32,9 +32,9 @@ class Linear(nn.Linear):
       kernels, ``torch_engine/quant.py``): the compiled ``gemm_q8`` (the activations quantized to int8 per
       32-block, the weight read once per call) for any number of rows where the kernels are AVX-512 VNNI
       (prefill included: SmolLM2, 256 tokens, 1.2x / 1.45-1.8x the dequantise-and-GEMM prefill at 1 / 2
-      threads on a Zen 4, ~1.05x at 512 where the attention dominates), up to ``QUANT_ROWS`` rows on the AVX2
-      and scalar kernels (prefill there dequantises the weight and runs the dense GEMM: not measured
-      against the AVX2 integer kernel).
+      threads on a Zen 4; ~1.05x at 512, where the attention then dominated, before the prefill attention
+      kernel), up to ``QUANT_ROWS`` rows on the AVX2 and scalar kernels (prefill there dequantises the
+      weight and runs the dense GEMM: not measured against the AVX2 integer kernel).
 
     The original weight stays (tied embeddings).
     """
