@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import re
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +91,26 @@ def run_texts(url: str, prompts: list[str], max_tokens: int) -> list[Completion]
             await client.close()
 
     return asyncio.run(go())
+
+
+_HOLDING = re.compile(r"(disagg_queue_depth|disagg_live_records)\{([^}]*)\} ([\d.e+-]+)$")
+
+
+def wait_busy(launch: Launch, slot_name: str, timeout_s: float = 60.0) -> None:
+    """Poll one leader's metrics (``slot_name``: ``decode1.tp0``) until its loop holds a request — waiting or
+    running in its engine, or a per-request record (a prefill node's KV job; tombstones of aborted epochs do not
+    count) — so that a test kills a group while load is observably in flight, not after a fixed sleep that a
+    faster engine outruns (or that ends before the load reached the group)."""
+    assert launch.prepared is not None
+    port = next(ld.ports.metrics for ld in launch.prepared.leaders if ld.slot.name == slot_name)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://{launch.cfg.bind}:{port}/metrics", timeout=10) as r:
+            found = [_HOLDING.match(line) for line in r.read().decode().splitlines()]
+        if any(m and float(m.group(3)) > 0 and 'what="tombstones"' not in m.group(2) for m in found):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{slot_name} held no request within {timeout_s:.0f} s")
 
 
 def listening(pids: list[int]) -> list[tuple[int, str, int]]:

@@ -14,7 +14,7 @@ import grpc
 
 from orchestrator.client import Completion
 from orchestrator.launch import JobState, Launch, run_processes
-from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
+from tests.deploy_harness import cluster, deployed, grpc_url, run_ids, wait_busy
 from tests.helpers import prompt_of, tiny_engine
 from torch_engine.sampling import SamplingParams
 
@@ -75,7 +75,7 @@ def test_a_dead_prefill_group_is_withdrawn_restarted_and_rejoins(tiny_engine_dir
         results: list[Completion] = []
         load = threading.Thread(target=lambda: results.extend(run_ids(url, prompts, 16, tag="load")))
         load.start()
-        time.sleep(0.3)
+        wait_busy(launch, "prefill1.tp0")
         assert kill_group(launch, "prefill1") >= 1
         took = supervise_until_restarted(launch, "prefill1")
         load.join(timeout=120)
@@ -113,13 +113,13 @@ def test_a_dead_decode_group_costs_only_its_streams(tiny_engine_dir, tmp_path) -
 
         def doomed_load() -> None:
             try:
-                doomed.extend(run_ids(url1, prompts * 4, 64, tag="doomed"))
+                doomed.extend(run_ids(url1, prompts * 4, 400, tag="doomed"))  # long streams: cut by the kill
             except grpc.aio.AioRpcError as exc:  # the stream broke: the client sees the death as an error
                 doomed.append(exc)
 
         load = threading.Thread(target=doomed_load)
         load.start()
-        time.sleep(0.3)
+        wait_busy(launch, "decode1.tp0")
         assert kill_group(launch, "decode1") >= 1
         during = run_ids(url0, prompts, 16, tag="during")  # the other group serves meanwhile
         supervise_until_restarted(launch, "decode1")

@@ -26,7 +26,7 @@ from orchestrator.client import Completion, generate_ids
 from orchestrator.cluster import ClusterConfig
 from orchestrator.launch import JobState, Launch, run_processes
 from serving.trace import read_trace
-from tests.deploy_harness import cluster, deployed, grpc_url, run_ids
+from tests.deploy_harness import cluster, deployed, grpc_url, run_ids, wait_busy
 from tests.helpers import prompt_of, tiny_engine
 from torch_engine.sampling import SamplingParams
 
@@ -282,7 +282,7 @@ def test_decode_tp2_fails_over_when_a_prefill_group_dies_under_load(tiny_engine_
 
         thread = threading.Thread(target=load)
         thread.start()
-        time.sleep(0.3)
+        wait_busy(launch, "prefill1.tp0")  # it holds a request: the kill cuts work in flight
         victims = run_processes(launch.run_id, "prefill1")
         assert victims
         for pid in victims:
