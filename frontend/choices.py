@@ -1,9 +1,12 @@
 """Several choices of one request (``n`` > 1, or ``/v1/completions`` with a list of prompts).
 
 Each prompt's first choice runs alone until its first token: by then the decode group that serves
-it holds the prompt's KV in its prefix cache. The prompt's other choices then go to that same group
-(``prefer``), where they share the prompt's full KV pages (computed once; under disaggregation
-transferred once) and compute only the last partial page. Choice ``j`` of a prompt samples with
+it holds the prompt's KV — its full pages in the prefix cache, its last partial page in the first
+choice's own pages. The prompt's other choices then go to that same group (``prefer``), where they
+share the full pages, copy the partial one from the running first choice (``PrefixCache.tail``) and
+compute only the prompt's last token: the prompt is computed once and, under disaggregation,
+transferred once (a first choice that has already ended leaves no partial page: the others then
+compute its few tokens, or move that one page). Choice ``j`` of a prompt samples with
 the request's seed + ``j`` (each its own stream; no seed: each draws its own). Usage counts each
 prompt once. A choice that fails fails the request (the others are cancelled).
 """

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from torch_engine.config import DType, KVLayout
 
-PROTOCOL_VERSION = 3  # 2: REFUSED notifications, PrefillRequest.ttl_s; 3: PrefillRequest.first_page
+PROTOCOL_VERSION = 4  # 2: REFUSED notifications, PrefillRequest.ttl_s; 3: PrefillRequest.first_page;
+# 4: PrefillRequest.cache_salt
 
 
 class IncompatibleLayoutError(ValueError):

@@ -73,6 +73,7 @@ class PrefillRequest(_Msg):
     seed: int = 0  # picks source replicas in the shard plan; both sides compute the same plan
     meta_slot: int | None = None  # decode leader's metadata slot, or None for no metadata
     ttl_s: float = Field(default=60.0, gt=0)  # the job expires this long after it reaches the prefill node
+    cache_salt: str | None = None  # the request's: the prefill node's prefix cache shares pages only within it
 
 
 class NotifKind(enum.Enum):

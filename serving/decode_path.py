@@ -118,7 +118,7 @@ class KVFetcher:
         adm = self.engine.admit_for_kv(prompt_ids, params, request_id, lambda load, n: self._place(request_id, load, n))
         match adm:
             case Reserved():
-                self._start(adm, prompt_ids)
+                self._start(adm, prompt_ids, params.cache_salt)
             case Refused(reason=RefusalReason.INVALID):
                 raise InvalidRequestError(adm.message)
             case Accepted(placement=Placement.LOCAL):
@@ -163,7 +163,7 @@ class KVFetcher:
             )  # fmt: skip
         return local
 
-    def _start(self, reserved: Reserved, prompt_ids: list[int]) -> None:
+    def _start(self, reserved: Reserved, prompt_ids: list[int], cache_salt: str | None) -> None:
         rid = reserved.request_id
         try:
             g = self.router.pick()
@@ -173,7 +173,7 @@ class KVFetcher:
         try:
             agents = self.groups[g].agents
             meta = self.engine.wants_prefill_hidden  # an MTP drafter drafts its first step from it
-            req = self.link.start(reserved, prompt_ids, _seed(rid), meta, agents)
+            req = self.link.start(reserved, prompt_ids, _seed(rid), meta, agents, cache_salt)
         except ValueError as exc:
             raise InvalidRequestError(f"request {rid}: {exc}") from None
         self._pending[rid] = _Pending(g, req.epoch, {g})
@@ -221,7 +221,7 @@ class KVFetcher:
             match adm:
                 case Reserved():
                     try:
-                        self._start(adm, q.prompt_ids)
+                        self._start(adm, q.prompt_ids, q.params.cache_salt)
                     except InvalidRequestError as exc:
                         failures.append((q.request_id, str(exc)))
                 case Refused():

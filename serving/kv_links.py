@@ -30,7 +30,7 @@ from kv_messenger.sides import DecodeMessenger, PrefillMessenger
 from torch_engine.config import DType
 from torch_engine.connector import ConnectorPoll, ConnectorPort, KVExport, Reserved
 from torch_engine.request import FinishReason, RequestKind, RequestOutput
-from torch_engine.sampling import InvalidRequestError
+from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.scheduler import SchedulerOutput
 
 
@@ -80,6 +80,7 @@ class PrefillLink:
         """``InvalidRequestError`` when the engine or the messenger refuses it (nothing was started)."""
         self.engine.add_request(
             req.prompt_ids,
+            SamplingParams(cache_salt=req.cache_salt),
             request_id=req.request_id,
             kind=RequestKind.PREFILL_ONLY,
             want_last_hidden=req.meta_slot is not None,
@@ -176,6 +177,7 @@ class _Destination:
     retry: list[str] = field(default_factory=list)  # FENCE_WAIT: the senders of the next epoch
     seed: int = 0
     first_page: int = 0  # the decoder's cached prefix: nobody writes those pages
+    cache_salt: str | None = None
 
 
 class DecodeLink:
@@ -214,6 +216,7 @@ class DecodeLink:
         seed: int = 0,
         meta: bool = False,
         prefill_agents: list[str] | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillRequest:
         """Take over the pages the engine's admission reserved and pinned (held until no write can
         land, whatever the engine does) and start counting; returns the request to send to the
@@ -222,8 +225,9 @@ class DecodeLink:
         rid = reserved.request_id
         slot = self._slots.pop() if meta and self._slots else None
         self._jobs[rid] = _Destination(
-            list(reserved.pages), list(prompt_ids), slot=slot, seed=seed, first_page=reserved.first_page
-        )
+            list(reserved.pages), list(prompt_ids), slot=slot, seed=seed, first_page=reserved.first_page,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         try:
             return self._expect(rid, prefill_agents or self.prefill_agents)
         except ValueError:
@@ -286,6 +290,7 @@ class DecodeLink:
             seed=job.seed,
             meta_slot=job.slot,
             ttl_s=self.timeout_s,
+            cache_salt=job.cache_salt,
         )
 
     def waiting(self) -> bool:

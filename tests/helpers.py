@@ -32,6 +32,7 @@ from torch_engine.connector import Placement, RefusalReason, Refused, Reserved
 from torch_engine.engine import LLMEngine
 from torch_engine.guided import Guide, GuideKind
 from torch_engine.parallel import TPGroup
+from torch_engine.request import RequestOutput
 from torch_engine.sampling import SamplingParams
 from torch_engine.speculator import Speculator
 from torch_engine.tokenizer import Tokenizer
@@ -248,6 +249,24 @@ def build_tiny(folder: Path, out: Path, tp: int = 1, page_size: int = 4) -> Path
     )
 
 
+def generate_staggered(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[RequestOutput]:
+    """Each prompt added once the one before it has its first token (``n`` > 1's other choices as the
+    router starts them: while the first one runs), then all run to the end; the last output of each."""
+    last: dict[str, RequestOutput] = {}
+    ids: list[str] = []
+    for prompt, sp in zip(prompts, params, strict=True):
+        ids.append(engine.add_request(prompt, sp))
+        while ids[-1] not in last and engine.has_unfinished():
+            last |= {o.request_id: o for o in engine.step()}
+    while engine.has_unfinished():
+        last |= {o.request_id: o for o in engine.step()}
+    for i in ids:
+        engine.retire(i)
+    return [last[i] for i in ids]
+
+
 def tp_generate(
     rank: int,
     world: int,
@@ -259,10 +278,12 @@ def tp_generate(
     fast_cpu: bool = False,
     speculative: str | None = None,
     guide: tuple[str, str] | None = None,
+    staggered: bool = False,
 ) -> None:
     """Body of one TP rank (spawned): rank 0 generates and writes the tokens as JSON, the others follow
     (``fast_cpu``: on the engine's fast CPU path; ``speculative``: a drafter, e.g. ``mtp``; ``guide``:
-    (guided_decoding_guide_type, guide) for every request, the leader loading the tokenizer)."""
+    (guided_decoding_guide_type, guide) for every request, the leader loading the tokenizer;
+    ``staggered``: each prompt added after the one before it has its first token, ``generate_staggered``)."""
     import json
 
     import torch.distributed as dist
@@ -275,9 +296,15 @@ def tp_generate(
         engine = tiny_engine(Path(engine_dir), tp=TPGroup(rank, world), speculative=spec, tokenizer=guide is not None)
         if rank == 0:
             g = Guide(GuideKind.parse(guide[0]), guide[1]) if guide is not None else None
-            tokens = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, guide=g))
+            sp = SamplingParams(max_tokens=max_tokens, guide=g)
+            if staggered:
+                outs = generate_staggered(engine, prompts, [sp] * len(prompts))
+                tokens, cached = [list(o.output_ids) for o in outs], [o.cached_tokens for o in outs]
+            else:
+                tokens, cached = engine.generate(prompts, sp), []
             engine.shutdown()
-            stats = {"tokens": tokens, "pages_used": engine.page_stats().used, "drafts": engine.spec_stats.proposed}
+            stats = {"tokens": tokens, "pages_used": engine.page_stats().used, "drafts": engine.spec_stats.proposed,
+                     "cached": cached}  # fmt: skip
             Path(out).write_text(json.dumps(stats))
         else:
             engine.run_follower()

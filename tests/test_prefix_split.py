@@ -16,6 +16,7 @@ from tests.helpers import prompt_of, tiny_engine
 from tests.split_harness import GREEDY, Cluster, cluster, wait_for
 from torch_engine.engine import LLMEngine
 from torch_engine.request import RequestOutput
+from torch_engine.sampling import SamplingParams
 
 Dirs = Callable[..., Path]
 
@@ -114,6 +115,26 @@ def test_the_prefill_node_reuses_its_own_cache(tiny_engine_dir: Dirs) -> None:
         c.stop()
 
 
+def test_the_prefill_nodes_cache_keeps_salts_apart(tiny_engine_dir: Dirs) -> None:
+    """``cache_salt`` reaches the prefill node (``PrefillRequest.cache_salt``): a prompt it holds under one
+    salt is computed afresh under another (it was shared across salts there), and found again under its own."""
+    prompt = prompt_of(64, 17)
+    c = cluster(tiny_engine_dir, groups=1)
+    prefill = c.prefills[0].engine
+    try:
+        hits = []
+        for rid, salt in (("a", "tenant-a"), ("b", "tenant-b"), ("c", "tenant-a")):
+            before = prefill.cache_stats().hits
+            c.run({rid: prompt}, SamplingParams(max_tokens=4, cache_salt=salt))
+            wait_for(c.settled, what="every page back")
+            assert c.decode.clear_prefix_cache() > 0  # the decoder forgets: each prompt goes to the prefill node
+            hits.append(prefill.cache_stats().hits - before)
+        assert hits == [0, 0, 60]
+        assert c.done["a"].output_ids == c.done["b"].output_ids == c.done["c"].output_ids
+    finally:
+        c.stop()
+
+
 def test_cancels_at_every_phase_and_eviction_during_transfers_leave_nothing_held(tiny_engine_dir: Dirs) -> None:
     """Shared-prefix requests on a decoder too small to keep them all: cached pages are shared,
     evicted and reused while transfers pin others, and some requests are cancelled at once, after
@@ -167,6 +188,35 @@ def test_n_choices_prefill_and_move_the_prompt_once(tiny_engine_dir: Dirs) -> No
         computed = (prefill.cache_stats().queries - queried) - (prefill.cache_stats().hits - hits)
         assert computed == 3 * 2  # the prefill node computed the partial page's 2 tokens per other choice
         assert all(rest[r].output_ids == lead.output_ids for r in "bcd")  # greedy: the same tokens
+    finally:
+        c.stop()
+
+
+def test_n_choices_while_the_first_runs_move_and_prefill_nothing_more(tiny_engine_dir: Dirs) -> None:
+    """``n`` = 4 as the router times it: the other choices start once the first has its first token, while it
+    still runs. The decoder then holds every full page and, in the first choice's own page, the partial one:
+    each other choice copies it and computes its last token only — no KV moved, no prefill node asked."""
+    prompt = prompt_of(103, 11)
+    c = cluster(tiny_engine_dir, groups=1)
+    sent = sent_bytes(c)
+    prefill = c.prefills[0].engine
+    first: list[RequestOutput] = []
+
+    def lead(out: RequestOutput) -> None:
+        first.append(out)
+        if out.finished:
+            c.done["a"] = out
+
+    try:
+        c.loop.submit("a", prompt, SamplingParams(max_tokens=40), lead)
+        wait_for(lambda: bool(first), what="the first choice's first token")
+        queried = prefill.cache_stats().queries
+        rest = c.run({"b": prompt, "c": prompt, "d": prompt}, SamplingParams(max_tokens=40))
+        wait_for(lambda: "a" in c.done, what="the first choice")
+        wait_for(c.settled, what="every page back")
+        assert sent["a"] == 26 * (sent["a"] // 26) and not any(r in sent for r in "bcd")
+        assert prefill.cache_stats().queries == queried  # the prefill node saw the prompt once
+        assert all(rest[r].cached_tokens == 102 and rest[r].output_ids == c.done["a"].output_ids for r in "bcd")
     finally:
         c.stop()
 

@@ -156,7 +156,7 @@ class LLMEngine:
         except InvalidRequestError as exc:
             return Refused(request_id, RefusalReason.INVALID, str(exc), load)
         hit = self._cache.match(req) if self._cache is not None else []  # the decoder's own cache first
-        uncached = len(req.prompt_ids) - len(hit) * self._page_size  # a full hit moves no KV; nor does scoring
+        uncached = len(req.prompt_ids) - self._scheduler.reused(req, hit)  # a full hit moves no KV; nor does scoring
         where = place(load, uncached) if uncached > 1 and req.params.prompt_logprobs is None else Placement.LOCAL
         if where is Placement.HOLD:
             return Accepted(request_id, where, load)

@@ -154,6 +154,13 @@ class PagedKVCache:
         b, m = page_table.shape
         return self.pools[layer][page_table].reshape(b, m * self.spec.page_size, self.spec.latent_dim)
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages of every layer within this cache, ``(source, destination)`` in order (a
+        destination may be a later copy's source)."""
+        for src, dst in copies:
+            for pool in self.pools:
+                pool[dst].copy_(pool[src])
+
     def copy_pages_from(self, other: PagedKVCache, src_pages: list[int], dst_pages: list[int]) -> None:
         """Copy whole pages of every layer from another cache of the same spec (a local transfer)."""
         if len(src_pages) != len(dst_pages):

@@ -84,7 +84,9 @@ class ModelRunner:
             req = c.request
             tokens = req.all_tokens + list(c.draft) if c.draft else req.all_tokens
             spans.append(Span(tokens[c.start : c.start + c.length], c.start, req.pages, c.outputs))
-        return self.layout(spans)
+        inputs = self.layout(spans)
+        inputs.page_copies = sched.copies
+        return inputs
 
     def layout(self, spans: list[Span]) -> StepInputs:
         """The step's tensors for ``spans`` (rows in span order)."""
@@ -142,7 +144,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, s: StepInputs) -> torch.Tensor:
-        """Runs the step on this rank; returns the final-norm hidden states of ``output_rows``."""
+        """Runs the step on this rank (its page copies first); returns the final-norm hidden states of
+        ``output_rows``."""
+        if s.page_copies:
+            self.kv.copy_pages(s.page_copies)
         g, tables, lens = self.graphs, s.decode_tables, s.decode_kv_lens
         rows = s.output_rows.to(self.device)
         f = self.fused

@@ -14,6 +14,13 @@ token runs (a step samples it, or a prefill-only request's layer counter moves) 
 writes a shared page. Two requests that compute the same page at once keep one copy cached; the
 other stays private and goes back to the free list.
 
+A prompt rarely ends on a page boundary: its last partial page is never cached. While another request
+that holds the same tokens there runs (``n`` > 1's other choices, started after the first one's first
+token; the same prompt sent twice at once), ``tail`` finds that request's page, and the scheduler
+copies it into a fresh page of the new request's own (copy on write: the holder goes on writing its
+page past the shared tokens; ``SchedulerOutput.copies``, done by every rank before the step's forward
+pass), so the new request computes only its last token (not for requests that read MTP-layer KV).
+
 On a model with an MTP module, a page's MTP-layer KV exists only where the draft pass ran for
 every position of it (requests that draft, and prefill-only ones); ``needs_mtp`` says which
 requests read it, and their matches stop at the first cached page without it.
@@ -29,7 +36,7 @@ import enum
 import hashlib
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch_engine.pages import PageAllocator
@@ -72,6 +79,14 @@ def chain_keys(parent: bytes, tokens: Sequence[int], page_size: int, first: int,
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """``req.all_tokens[start:end]`` without copying the whole prompt."""
+    n = len(req.prompt_ids)
+    if end <= n:
+        return req.prompt_ids[start:end]
+    return req.prompt_ids[start:] + req.output_ids[max(start - n, 0) : end - n]
 
 
 def block_hash(key: bytes) -> int:
@@ -139,10 +154,35 @@ class PrefixCache:
             pages.append(page)
         return pages
 
-    def count(self, req: Request, pages: int) -> None:
-        """Hit-rate accounting of one admission: ``pages`` of its prefix were found cached."""
+    def tail(self, req: Request, hit: list[int], holders: Iterable[Request]) -> tuple[int, int] | None:
+        """``(page, tokens)``: a page of a request in ``holders`` whose first ``tokens`` slots hold the KV of
+        ``req``'s tokens past its ``hit`` (``match`` found every page it may take, and its prompt ends
+        inside the next page), to be copied into a page of ``req``'s own; None when there is nothing to
+        copy or no holder has those tokens with final KV."""
+        p = self._page_size
+        limit = max(req.compute_target - 1, 0)
+        f = len(hit)
+        t = limit - f * p
+        if t <= 0 or f != limit // p or req.params.prompt_logprobs is not None:
+            return None
+        if self._needs_mtp is not None and self._needs_mtp(req):
+            return None  # a holder's MTP-layer KV of its last positions may still be missing: compute them
+        parent = self._keys(req, f)[-1] if f else None
+        want = _tokens(req, f * p, f * p + t)
+        salt = req.params.cache_salt
+        for other in holders:
+            if other is req or len(other.pages) <= f or other.num_computed < f * p + t:
+                continue  # its KV of those positions is not final (or not there)
+            if other.params.cache_salt != salt or _tokens(other, f * p, f * p + t) != want:
+                continue
+            if parent is None or self._keys(other, f)[-1] == parent:
+                return other.pages[f], t
+        return None
+
+    def count(self, req: Request, tokens: int) -> None:
+        """Hit-rate accounting of one admission: the first ``tokens`` of its prefix were found cached."""
         self.queries += req.compute_target
-        self.hits += pages * self._page_size
+        self.hits += tokens
 
     def stats(self) -> CacheStats:
         return CacheStats(len(self._by_key), self.queries, self.hits)

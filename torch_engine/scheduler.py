@@ -12,16 +12,18 @@ Queues:
 Each step: running decodes first (one token each), then running prefills, then new admissions,
 until the token budget or ``max_num_seqs`` is used. A request admitted from ``waiting`` first takes
 the longest cached prefix of its tokens (``prefix_cache.py``: shared pages, never written) and
-computes from there. Pages are allocated per chunk; when they run out, the newest running request
-without pinned pages is preempted (its pages freed, cached ones kept while the pool allows; it is
-recomputed later, from its cached prefix). A request that cannot get pages waits; nothing crashes.
+computes from there; the rest of its prompt but the last token, where a running request holds it
+in a page, is copied from that page into one of its own (``SchedulerOutput.copies``). Pages are
+allocated per chunk; when they run out, the newest running request without pinned pages is
+preempted (its pages freed, cached ones kept while the pool allows; it is recomputed later, from
+its cached prefix). A request that cannot get pages waits; nothing crashes.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch_engine.pages import PageAllocator
 from torch_engine.prefix_cache import PrefixCache
@@ -69,6 +71,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     step: int
     chunks: list[ScheduledChunk]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) pages, copied in
+    # order by every rank before the step's forward pass: a shared prompt's partial last page
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +127,7 @@ class Scheduler:
         req.cache_registered = len(hit)
         req.cached_tokens = len(hit) * self.page_size
         if self.cache is not None:
-            self.cache.count(req, len(hit))
+            self.cache.count(req, req.cached_tokens)
         self.allocator.pin(req.pages[len(hit) :])
         req.state = RequestState.WAITING_FOR_KV
         self.kv_wait[req.request_id] = req
@@ -200,17 +204,29 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed, n + len(draft), draft))
             scheduled.add(req.request_id)
             budget -= n + len(draft)
-        self._admit(chunks, budget)
+        copies: list[tuple[int, int]] = []
+        self._admit(chunks, budget, copies)
         self.steps += 1
-        return SchedulerOutput(self.steps, chunks)
+        return SchedulerOutput(self.steps, chunks, copies)
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def tail(self, req: Request, hit: list[int]) -> tuple[int, int] | None:
+        """A running (or prefilled) request's page holding ``req``'s tokens past ``hit``: ``PrefixCache.tail``."""
+        if self.cache is None:
+            return None
+        return self.cache.tail(req, hit, (*self.running, *self.prefilled.values()))
+
+    def reused(self, req: Request, hit: list[int]) -> int:
+        """Prompt tokens ``req`` would not compute: ``hit``'s and a running request's copy of the rest."""
+        tail = self.tail(req, hit)
+        return len(hit) * self.page_size + (tail[1] if tail is not None else 0)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, copies: list[tuple[int, int]]) -> None:
         """Admit waiting requests whose next chunk gets pages, in arrival order; one refused pages is
         passed (up to ``BYPASS_SCAN`` of them) unless it has been refused for ``head_of_line_steps``."""
         i = passed = 0
         while i < len(self.waiting) and budget > 0 and len(chunks) < self.max_num_seqs:
             req = self.waiting[i]
-            chunk = self._start(req, budget)
+            chunk = self._start(req, budget, copies)
             if chunk is None:  # no pages for its next chunk
                 since = self._blocked_since.setdefault(req.request_id, self.steps)
                 if self.steps - since >= self.head_of_line_steps or passed == BYPASS_SCAN:
@@ -222,21 +238,25 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.length
 
-    def _start(self, req: Request, budget: int) -> ScheduledChunk | None:
-        """Give a waiting request its cached prefix and pages for its next chunk (None: not enough)."""
+    def _start(self, req: Request, budget: int, copies: list[tuple[int, int]]) -> ScheduledChunk | None:
+        """Give a waiting request its cached prefix (and a running one's copy of the rest of its prompt)
+        and pages for its next chunk (None: not enough)."""
         hit = self.cache.match(req) if self.cache is not None else []
-        start = len(hit) * self.page_size
+        tail = self.tail(req, hit)
+        start = len(hit) * self.page_size + (tail[1] if tail is not None else 0)
         n = min(req.compute_target - start, budget, self.max_chunk)
         need = self.pages_for(start + n) - len(hit)
         if not self.allocator.can_allocate(need + self.allocator.revivals(hit)):
             return None  # admission control: wait for pages
         self.allocator.share(hit)  # before allocating: a hit page is never the one evicted
         req.pages = hit + self.allocator.allocate(need)
+        if tail is not None:  # its holder's page is held: not evicted by the allocation above
+            copies.append((tail[0], req.pages[len(hit)]))
         req.num_computed, req.cache_registered = start, len(hit)
         if req.cached_tokens is None:
             req.cached_tokens = start
             if self.cache is not None:
-                self.cache.count(req, len(hit))
+                self.cache.count(req, start)
         req.state = RequestState.RUNNING
         self.running.append(req)
         return ScheduledChunk(req, start, n)

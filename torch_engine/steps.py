@@ -7,7 +7,7 @@ commands ride along) and followers run them. ``Span`` is one request's positions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ class StepInputs:
     decode_kv_lens: torch.Tensor | None  # [B]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (row start, row end, first position, page table [1, M])
     output_rows: torch.Tensor  # [S] rows whose final hidden state / logits are wanted
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), before the pass
 
     @property
     def decode_only(self) -> bool:

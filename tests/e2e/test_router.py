@@ -12,7 +12,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -332,6 +332,62 @@ def test_n_choices_share_the_prompt_and_each_has_its_seed(deployment: Launch) ->
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
     again = client.chat.completions.create(n=3, **ask)  # type: ignore[call-overload]
     assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
+def _counted(launch: Launch) -> dict[str, float]:
+    """The KV-movement counters of every leader, summed per counter and label set (role in front)."""
+    assert launch.prepared is not None
+    found: dict[str, float] = {}
+    for ld in launch.prepared.leaders:
+        text = _get(f"http://127.0.0.1:{ld.ports.metrics}/metrics")[1]
+        assert isinstance(text, str)
+        for m in re.finditer(r"^(disagg_(?:prefills|prefix_cache_tokens|kv_transfer_bytes)_total)\{([^}]*)\} (\S+)$",
+                             text, re.MULTILINE):  # fmt: skip
+            what = ",".join(x for x in m.group(2).split(",") if x and not x.startswith("model="))
+            key = f"{ld.slot.role.name.lower()} {m.group(1)}{{{what}}}"
+            found[key] = found.get(key, 0.0) + float(m.group(3))
+    return found
+
+
+def _moved(launch: Launch, request: Callable[[], object], want: dict[str, float]) -> dict[str, float]:
+    """What ``request`` changed of the counters (``_counted``), once they show at least ``want``'s keys moved."""
+    before = _counted(launch)
+    request()
+    deadline = time.monotonic() + 20
+    while True:
+        after = _counted(launch)
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        if all(k in delta for k in want) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.1)
+
+
+def test_n_choices_prefill_and_move_the_prompt_once(deployment: Launch) -> None:
+    """``n: 4`` on a fresh (salted) prompt through the router: the prompt is prefilled and its KV sent once —
+    the same bytes and prefill-node tokens as a single request — and the other three choices, on the decode
+    group the first chose, share its full pages, copy its partial last page and compute their last token
+    each on the decoder, the whole prompt but that token counted as cached. (Before the partial-page copy:
+    4 remote prefills, 7,372,800 bytes and 436 prefill-node tokens looked up, against 5,160,960 and 109.)"""
+    client = _client(deployment)
+    text = " ".join(f"item{i}" for i in range(40))  # ~110 tokens: the KV of 6 full 16-token pages and a partial one
+    out: list[Any] = []
+
+    def ask(n: int, salt: str) -> None:  # ignore_eos: the first choice still runs when the others start
+        out.append(client.completions.create(model="smollm2", prompt=text, max_tokens=24, temperature=1.0, seed=3,
+                                             n=n, extra_body={"cache_salt": salt, "ignore_eos": True}))  # fmt: skip
+
+    sent = "prefill disagg_kv_transfer_bytes_total{}"
+    n4 = _moved(deployment, lambda: ask(4, "n4"), {sent: 1})
+    one = _moved(deployment, lambda: ask(1, "n1"), {sent: 1})
+    prompt = out[0].usage.prompt_tokens
+    assert len(out[0].choices) == 4 and prompt % 16 != 1  # a partial page to copy
+    assert n4[sent] == one[sent] > 0  # the KV of the prompt moved once
+    queried = 'prefill disagg_prefix_cache_tokens_total{kind="queried"}'
+    assert n4[queried] == one[queried] == prompt - 1  # the prefill node computed the prompt once
+    assert 'prefill disagg_prefix_cache_tokens_total{kind="found"}' not in one  # salts are kept apart there too
+    assert n4['decode disagg_prefills_total{where="remote"}'] == 1  # the others: one token each, not a prefill
+    assert 'decode disagg_prefills_total{where="local"}' not in n4
+    assert n4['decode disagg_prefix_cache_tokens_total{kind="found"}'] == 3 * (prompt - 1)
 
 
 WEATHER = {

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import TINY_CONFIGS, build_tiny, prompt_of, tiny_engine, tp_generate
+from tests.helpers import TINY_CONFIGS, build_tiny, generate_staggered, prompt_of, tiny_engine, tp_generate
 from torch_engine.guided import Guide, GuideKind
 from torch_engine.sampling import SamplingParams
 from torch_engine.tokenizer import Tokenizer
@@ -37,6 +37,21 @@ def test_tp_equals_tp1(kind: str, tp: int, fast: bool, tiny_engine_dir, tmp_path
     result = json.loads(out.read_text())
     assert result["tokens"] == ref
     assert result["pages_used"] == 0
+
+
+def test_tp2_copies_a_shared_partial_page_on_every_rank(tiny_engine_dir, tmp_path) -> None:
+    """``n`` > 1's other choices copy the prompt's partial last page from the first choice's (the leader
+    decides, every rank copies its shard before the step): TP 2 gives TP 1's tokens, each other choice
+    reusing all of its prompt but the last token (7 tokens: 1 full page and 2 copied; 103: 25 and 2)."""
+    prompts = [prompt_of(7, 11)] * 3 + [prompt_of(103, 12)] * 2
+    want = generate_staggered(tiny_engine(tiny_engine_dir("llama")), prompts, [SamplingParams(max_tokens=8)] * 5)
+    out = tmp_path / "out.json"
+    two = str(tiny_engine_dir("llama", tp=2))
+    args = (2, str(tmp_path / "rdzv"), two, prompts, 8, str(out), False, None, None, True)  # staggered
+    mp.spawn(tp_generate, args=args, nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["tokens"] == [list(o.output_ids) for o in want]
+    assert result["cached"] == [0, 6, 6, 0, 102] and result["pages_used"] == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
