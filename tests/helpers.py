@@ -100,11 +100,20 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_checkpoint(kind: str, folder: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """Save a random tiny model of ``kind`` as an HF folder; returns the folder and the fp32 HF model."""
+def make_tiny_checkpoint(
+    kind: str, folder: Path, seed: int = 0, random_biases: bool = False
+) -> tuple[Path, torch.nn.Module]:
+    """Save a random tiny model of ``kind`` as an HF folder; returns the folder and the fp32 HF model
+    (``random_biases``: Linear biases drawn too — HF's initialisation zeroes them, so a path that dropped
+    them would pass)."""
     torch.manual_seed(seed)
     cfg = TINY_CONFIGS[kind]()
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    if random_biases:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
     if hasattr(cfg, "n_routed_experts"):  # give the router's correction bias some weight, as trained models have
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

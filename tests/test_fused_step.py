@@ -46,12 +46,12 @@ def kernels() -> object:
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, QuantKind], Path]:
-    """Tiny random checkpoints quantized at build time: Llama (head size 8), Qwen2 (q/k/v biases),
+    """Tiny random checkpoints quantized at build time: Llama (head size 8), Qwen2 (q/k/v biases, drawn),
     Qwen3 (q/k norms); one layer and the full two."""
     root = tmp_path_factory.mktemp("fused")
     out: dict[tuple[str, QuantKind], Path] = {}
     for kind in ("llama", "qwen2", "qwen3"):
-        folder, _ = make_tiny_checkpoint(kind, root / kind)
+        folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
         for q in (QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0):
             opts = BuildOptions(dtype=DType.FLOAT32, page_size=4, quantize=q)
             out[(kind, q)] = build_engine(str(folder), root / f"{kind}-{q.name}", opts, progress=False)
@@ -65,14 +65,17 @@ class Pair:
     pages: int
 
 
-def _runner(engine_dir: Path, fused: bool, layout: KVLayout, page_size: int, layers: int | None = None) -> ModelRunner:
+def _runner(
+    engine_dir: Path, fused: bool, layout: KVLayout, page_size: int, layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> ModelRunner:  # fmt: skip
     manifest = EngineManifest.load(engine_dir)
     cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=True, dtype=DType.FLOAT32)
-    model = load_weights(manifest, cfg, TPGroup.single(), CPU, torch.float32, keep_packed=True)
-    prepare_cpu_path(model, CPU, torch.float32)
+    model = load_weights(manifest, cfg, TPGroup.single(), CPU, dtype, keep_packed=True)
+    prepare_cpu_path(model, CPU, dtype)
     if layers is not None:
         model.layers = model.layers[:layers]
-    spec = cache_spec(manifest.model, 1, 256, page_size, layout, torch.float32)
+    spec = cache_spec(manifest.model, 1, 256, page_size, layout, dtype)
     kv = PagedKVCache(spec)
     kv.kernels = cpu_kernels()
     runner = ModelRunner(model, kv, LayerProgress(manifest.model.num_kv_layers), TPGroup.single(), CPU, 256)
@@ -81,9 +84,14 @@ def _runner(engine_dir: Path, fused: bool, layout: KVLayout, page_size: int, lay
     return runner
 
 
-def _pair(engine_dir: Path, layout: KVLayout = KVLayout.HND, page_size: int = 4, layers: int | None = None) -> Pair:
+def _pair(
+    engine_dir: Path, layout: KVLayout = KVLayout.HND, page_size: int = 4, layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Pair:  # fmt: skip
     return Pair(
-        _runner(engine_dir, False, layout, page_size, layers), _runner(engine_dir, True, layout, page_size, layers), 256
+        _runner(engine_dir, False, layout, page_size, layers, dtype),
+        _runner(engine_dir, True, layout, page_size, layers, dtype),
+        256,
     )
 
 
@@ -183,10 +191,12 @@ def test_the_engine_picks_the_fused_step_where_it_applies(
 
     assert "fused-step" in engine(quantized[("qwen3", QuantKind.Q8_0)]).kernel_path
     assert "fused-step" in engine(smollm2_dir).kernel_path  # the embedded GGUF, as stored
-    dense = tiny_engine_dir("llama")  # dense weights: the eager model
-    assert "fused-step" not in engine(dense).kernel_path
-    with pytest.raises(ValueError, match="GEMM weights not kept as stored"):
-        engine(dense, fused_decode=True)
+    dense = tiny_engine_dir("llama")  # dense weights in fp32: the eager model
+    assert "fused-step" not in engine(dense, dtype="float32").kernel_path
+    with pytest.raises(ValueError, match="GEMM weights neither kept as stored nor dense bf16"):
+        engine(dense, dtype="float32", fused_decode=True)
+    bf16 = engine(dense, dtype="bfloat16").kernel_path  # dense bf16: the fused step where the CPU has the dot
+    assert ("fused-step" in bf16) == bool(kernels.gemm_bf16_supported()), bf16  # type: ignore[attr-defined]
     assert "fused-step" not in engine(quantized[("qwen3", QuantKind.Q8_0)], fused_decode=False).kernel_path
     assert "fused-step" not in engine(smollm2_dir, fast_cpu=False).kernel_path  # the reference path
 
@@ -203,3 +213,44 @@ def test_engine_tokens_follow_the_eager_engine(kernels: object, quantized: dict)
         outs.append(e.generate(prompts, greedy))
     same = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
     assert same >= 5, outs
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory, kernels: object) -> dict[str, Path]:
+    """Tiny random checkpoints built dense (an HF checkpoint's way), for the bf16 engine: its GEMMs take
+    the weights packed for ``vdpbf16ps``, which needs AVX-512 BF16."""
+    if not kernels.gemm_bf16_supported():  # type: ignore[attr-defined]
+        pytest.skip("no AVX-512 BF16 here: dense weights stay on the eager model")
+    root = tmp_path_factory.mktemp("fused-dense")
+    out: dict[str, Path] = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
+        out[kind] = build_engine(str(folder), root / f"{kind}-e", BuildOptions(dtype=DType.FLOAT32, page_size=4),
+                                 progress=False)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_dense_bf16_layer_matches_the_eager_layer(dense: dict[str, Path], kind: str) -> None:
+    """Dense bf16 weights (the fused step's ``vdpbf16ps`` GEMM, the eager model's ``gemm_bf16``): one layer,
+    5 sequences, 10 teacher-forced steps — the logits agree within bf16's rounding of the activations
+    (the eager model rounds every op's output to bf16, the fused step keeps fp32 between GEMMs)."""
+    p = _pair(dense[kind], layers=1, dtype=torch.bfloat16)
+    for eager, fused in _teacher_forced(p, [1, 3, 4, 9, 17], 10, 256):
+        assert float((eager - fused).abs().max()) < 0.08 * float(eager.std())
+    for a, b in zip(p.eager.kv.pools[:1], p.fused.kv.pools[:1], strict=True):
+        assert float((a.float() - b.float()).abs().max()) < 0.02 * float(a.float().abs().max())
+    assert p.fused.fused is not None and p.fused.fused.steps == 10
+
+
+def test_dense_bf16_whole_model_distributions_agree(dense: dict[str, Path]) -> None:
+    """Every layer, 21 rows (the GEMM's 8-row passes and a remainder), 8 steps: KL and top token."""
+    p = _pair(dense["qwen2"], dtype=torch.bfloat16)
+    kls, agree, n = [], 0, 0
+    for eager, fused in _teacher_forced(p, [1 + (i * 7) % 13 for i in range(21)], 8, 256):
+        kls.append(_kl(eager, fused))
+        agree += int((eager.argmax(-1) == fused.argmax(-1)).sum())
+        n += eager.shape[0]
+    kl = torch.cat(kls)
+    assert float(kl.mean()) < 1e-3 and float(kl.max()) < 1e-2, (float(kl.mean()), float(kl.max()))
+    assert agree / n >= 0.9

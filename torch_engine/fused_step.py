@@ -9,10 +9,12 @@ after it stay where they are (one call each).
 
 Which models: Llama-family GQA (``LlamaAttention`` + ``GatedMLP``: Llama, SmolLM2, Mistral-style, Qwen2
 biases, Qwen3 q/k norms), TP 1, every layer GEMM kept as stored (``Linear.quant``: the GGUF's Q4_0 /
-Q4_1 / Q8_0), rotary over the whole head, CPU. Which steps: decode-only (``StepInputs.decode_only``).
-Anything else runs the eager model. Numerics: activations and the residual stream in fp32 (the eager
-model keeps them in the engine's dtype), K / V stored in the pool's dtype; the GEMMs are the same
-kernel as the eager path's, so at one row the two paths differ only in where they round.
+Q4_1 / Q8_0) or every one dense bf16 packed for ``vdpbf16ps`` (``Linear.vnni``: an HF checkpoint's weights
+in the bf16 engine of a CPU with AVX-512 BF16), rotary over the whole head, CPU. Which steps: decode-only
+(``StepInputs.decode_only``). Anything else runs the eager model. Numerics: activations and the residual
+stream in fp32 (the eager model keeps them in the engine's dtype), K / V stored in the pool's dtype; each
+GEMM's input rounded to int8 blocks (packed weights: the eager path's kernel) or to bf16 (dense: the eager
+path's ``vdpbf16ps`` product), so the two paths differ only in where they round.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch_engine.models.llama import LlamaAttention
 from torch_engine.parallel import TPGroup
 
 _NONE = torch.empty(0)
+DENSE = -1  # ``decode_step.cpp``'s kind of a dense bf16 weight (``bf16gemm.h``)
 
 
 def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.device) -> str | None:
@@ -42,14 +45,18 @@ def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.
         return "MLA or a KV dtype other than fp32 / bf16"
     if model.rotary_dim != model.cfg.head_dim:
         return "a partial rotary embedding"
+    kinds: set[bool] = set()  # dense or not, per GEMM
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.attn, layer.mlp
         if not isinstance(attn, LlamaAttention) or type(mlp) is not GatedMLP:
             return f"layers of {type(attn).__name__} / {type(mlp).__name__}"
         for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
-            if lin.quant is None:
-                return "GEMM weights not kept as stored"
+            if lin.quant is None and lin.vnni is None:
+                return "GEMM weights neither kept as stored nor dense bf16 packed for AVX-512 BF16"
+            kinds.add(lin.quant is None)
+    if len(kinds) > 1:
+        return "GEMM weights partly kept as stored, partly dense"
     return None
 
 
@@ -104,11 +111,13 @@ def _norm(n: RMSNorm | None) -> torch.Tensor:
 
 
 def _parts(lin: Linear) -> list[torch.Tensor]:
+    bias = lin.bias.detach() if lin.bias is not None else _NONE
     q = lin.quant
-    assert q is not None
-    return [q.qs, q.d, q.m, lin.bias.detach() if lin.bias is not None else _NONE]
+    if q is None:
+        assert lin.vnni is not None
+        return [lin.vnni, _NONE, _NONE, bias]
+    return [q.qs, q.d, q.m, bias]
 
 
 def _kind(lin: Linear) -> int:
-    assert lin.quant is not None
-    return int(lin.quant.kind)
+    return int(lin.quant.kind) if lin.quant is not None else DENSE

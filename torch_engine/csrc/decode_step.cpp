@@ -7,7 +7,9 @@
 // paged attention over the sequence (attention.h) -> quantize -> O, added to the residual -> the layer's
 // progress counter bumped -> RMSNorm -> quantize -> gate_up -> SiLU(gate) * up, quantized -> down, added to
 // the residual. Then the final RMSNorm. The residual stream and every activation are fp32; K / V are stored
-// in the pool's dtype (fp32 or bf16).
+// in the pool's dtype (fp32 or bf16). Dense weights instead (every GEMM of the model; CPUs with AVX-512 BF16):
+// each GEMM's input rows are rounded to bf16 where the others are quantized, and the GEMM is bf16gemm.h's over
+// the weight packed for vdpbf16ps (gemm_bf16.cpp's layout).
 //
 // Threads: one OpenMP parallel region for the whole step (at::get_num_threads() threads). GEMMs split their
 // groups of 16 outputs, attention its (row, KV head) jobs, norms and quantization their rows or blocks;
@@ -16,8 +18,9 @@
 //
 //   FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, page_size, strides [page, head, kv,
 //                token], cos [positions, head_dim / 2], sin, final_norm [hidden], counts [layers] int64)
-//   add_layer(norms [attn, mlp, q_norm or empty, k_norm or empty], linears 4 x [qs16, d16, m16, bias],
-//             kinds [4], outputs [4], pool)                       (qkv, o, gate_up, down)
+//   add_layer(norms [attn, mlp, q_norm or empty, k_norm or empty], linears 4 x [qs16, d16, m16, bias]
+//             (dense: [packed [N/16, K/2, 16, 2] bf16, -, -, bias]), kinds [4] (dense: -1), outputs [4], pool)
+//                                                                 (qkv, o, gate_up, down)
 //   run(h [B, hidden], positions [B], page_table [B, M], kv_lens [B]) -> [B, hidden] fp32
 
 #include <torch/extension.h>
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "bf16gemm.h"
 #include "qgemm.h"
 
 namespace {
@@ -42,8 +46,9 @@ using disagg_q::share;
 constexpr int64_t PART_CHUNKS = 8;  // 128 tokens: a part of a sequence's attention, one job
 
 struct Lin {
-  Q16 w;
-  std::vector<torch::Tensor> keep;  // the tensors w points into
+  Q16 w;                                 // N and K set for dense weights too
+  const at::BFloat16* dense = nullptr;   // a dense weight packed for vdpbf16ps (else w holds the integer one)
+  std::vector<torch::Tensor> keep;       // the tensors w / dense point into
   const float* bias = nullptr;
 };
 
@@ -144,6 +149,9 @@ class FusedDecoder {
       TORCH_CHECK(outputs[i] == want_n[i], "linear ", i, " has ", outputs[i], " outputs, not ", want_n[i]);
       *dst[i] = make_lin(kinds[i], linears[i], outputs[i]);
       TORCH_CHECK(dst[i]->w.K == want_k[i], "linear ", i, " takes ", dst[i]->w.K, " inputs, not ", want_k[i]);
+      const bool dense = dst[i]->dense != nullptr;
+      TORCH_CHECK(layers_.empty() && i == 0 ? true : dense == dense_, "every GEMM weight dense or every one packed");
+      dense_ = dense;
     }
     TORCH_CHECK(pool.is_contiguous() && (pool.scalar_type() == torch::kFloat || pool.scalar_type() == torch::kBFloat16),
                 "the KV pool must be contiguous fp32 or bf16");
@@ -186,6 +194,7 @@ class FusedDecoder {
 
  private:
   static Lin make_lin(int64_t kind, const std::vector<torch::Tensor>& t, int64_t N) {
+    if (kind == disagg_bf16::DENSE) return make_dense(t, N);
     TORCH_CHECK(kind == disagg_q::Q4_0 || kind == disagg_q::Q4_1 || kind == disagg_q::Q8_0, "unknown quant kind ", kind);
     const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
     TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
@@ -205,13 +214,32 @@ class FusedDecoder {
       l.w.m = static_cast<const uint16_t*>(m.data_ptr());
       l.keep.push_back(m);
     }
+    add_bias(l, bias, N);
+    return l;
+  }
+
+  static Lin make_dense(const std::vector<torch::Tensor>& t, int64_t N) {
+    TORCH_CHECK(disagg_bf16::supported(), "dense weights in the fused step need AVX-512 BF16, which this build has not");
+    const torch::Tensor& w = t[0];
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(0) * 16 == N &&
+                    w.size(2) == 16 && w.size(3) == 2,
+                "a dense weight must be bf16 [N/16, K/2, 16, 2]");
+    Lin l;
+    l.w.N = N;
+    l.w.K = w.size(1) * 2;
+    l.dense = w.data_ptr<at::BFloat16>();
+    l.keep = {w};
+    add_bias(l, t[3], N);
+    return l;
+  }
+
+  static void add_bias(Lin& l, const torch::Tensor& bias, int64_t N) {
     if (bias.defined() && bias.numel() > 0) {
       TORCH_CHECK(bias.numel() == N, "bias must be [N]");
       torch::Tensor b = bias.to(torch::kFloat).contiguous();
       l.bias = b.data_ptr<float>();
       l.keep.push_back(b);
     }
-    return l;
   }
 
   template <typename T>
@@ -225,6 +253,7 @@ class FusedDecoder {
     torch::Tensor adx = torch::empty({B * widest / BLOCK}, f32);
     torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
     torch::Tensor adxs = torch::empty({B * widest / BLOCK}, f32);
+    torch::Tensor abf = torch::empty({dense_ ? B * widest : 0}, torch::TensorOptions().dtype(torch::kBFloat16));
     out_ = torch::empty({B, H}, f32);
     float *x = x_.data_ptr<float>(), *xnp = xn.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
           *attp = att.data_ptr<float>(), *gup = gu.data_ptr<float>(), *midp = mid.data_ptr<float>(),
@@ -233,6 +262,7 @@ class FusedDecoder {
     float* dx = adx.data_ptr<float>();
     int32_t* sq = as.data_ptr<int32_t>();
     float* dxs = adxs.data_ptr<float>();
+    at::BFloat16* xb = abf.data_ptr<at::BFloat16>();
     auto act = [&](int64_t K) {
       ActQ8 a;
       a.q = q8;
@@ -241,6 +271,23 @@ class FusedDecoder {
       a.dxs = dxs;
       a.K = K;
       return a;
+    };
+    const bool dense = dense_;
+    // one 32-block (index k) of row r of a GEMM's K-wide input, made the GEMM's activations: quantized, or
+    // rounded to bf16 for a dense weight
+    auto prep = [&](const float* src, int64_t r, int64_t K, int64_t blk, int64_t k) {
+      if (dense) {
+        at::BFloat16* o = xb + r * K + blk * BLOCK;
+        for (int64_t i = 0; i < BLOCK; ++i) o[i] = static_cast<at::BFloat16>(src[i]);
+      } else {
+        disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k);
+      }
+    };
+    auto gemm = [&](const Lin& l, int64_t g0, int64_t g1, float* y, int64_t ldy, bool accumulate) {
+      if (dense)
+        disagg_bf16::gemm_groups(l.dense, l.w.K, xb, B, g0, g1, y, ldy, l.bias, accumulate);
+      else
+        disagg_q::gemm_groups(l.w, act(l.w.K), B, g0, g1, y, ldy, l.bias, accumulate);
     };
     const float* cosp = cos_.data_ptr<float>();
     const float* sinp = sin_.data_ptr<float>();
@@ -292,7 +339,7 @@ class FusedDecoder {
         const float* xr = xs + r * H + blk * BLOCK;
         float* o = out + r * H + blk * BLOCK;
         for (int64_t i = 0; i < BLOCK; ++i) o[i] = xr[i] * inv * w[blk * BLOCK + i];
-        disagg_q::quantize_block(o, q8 + r * H + blk * BLOCK, dx + k, sq + k, dxs + k);
+        prep(o, r, H, blk, k);
       }
     };
 
@@ -308,7 +355,7 @@ class FusedDecoder {
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.qkv.w.groups(), t, nt);
-          disagg_q::gemm_groups(L.qkv.w, act(H), B, g0, g1, qkvp, QKV, L.qkv.bias);
+          gemm(L.qkv, g0, g1, qkvp, QKV, false);
         }
 #pragma omp barrier
         // norms, rotary and the KV write: one (row, KV head) at a time
@@ -364,14 +411,14 @@ class FusedDecoder {
             const int64_t NBA = A / BLOCK;
             for (int64_t blk = h0 * D / BLOCK; blk < (h0 + hs) * D / BLOCK; ++blk) {
               const int64_t k = r * NBA + blk;
-              disagg_q::quantize_block(attp + r * A + blk * BLOCK, q8 + r * A + blk * BLOCK, dx + k, sq + k, dxs + k);
+              prep(attp + r * A + blk * BLOCK, r, A, blk, k);
             }
           }
         }
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.o.w.groups(), t, nt);
-          disagg_q::gemm_groups(L.o.w, act(A), B, g0, g1, x, H, L.o.bias, true);
+          gemm(L.o, g0, g1, x, H, true);
         }
 #pragma omp barrier
         if (t == 0) __atomic_store_n(&counts[li], counts[li] + 1, __ATOMIC_RELEASE);  // this layer's KV is written
@@ -379,7 +426,7 @@ class FusedDecoder {
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.gate_up.w.groups(), t, nt);
-          disagg_q::gemm_groups(L.gate_up.w, act(H), B, g0, g1, gup, 2 * I, L.gate_up.bias);
+          gemm(L.gate_up, g0, g1, gup, 2 * I, false);
         }
 #pragma omp barrier
         {  // SiLU(gate) * up, quantized a block at a time
@@ -392,13 +439,13 @@ class FusedDecoder {
             float* m = midp + r * I + blk * BLOCK;
             silu_mul(gate, up, m);
             const int64_t i = r * NBI + blk;
-            disagg_q::quantize_block(m, q8 + r * I + blk * BLOCK, dx + i, sq + i, dxs + i);
+            prep(m, r, I, blk, i);
           }
         }
 #pragma omp barrier
         {
           const auto [g0, g1] = share(L.down.w.groups(), t, nt);
-          disagg_q::gemm_groups(L.down.w, act(I), B, g0, g1, x, H, L.down.bias, true);
+          gemm(L.down, g0, g1, x, H, true);
         }
 #pragma omp barrier
       }
@@ -408,6 +455,7 @@ class FusedDecoder {
 
   int64_t H_, HQ_, HKV_, D_, I_;
   float eps_;
+  bool dense_ = false;  // every GEMM weight dense bf16 (else every one packed as stored)
   int64_t P_, page_stride_ = 0, head_stride_ = 0, kv_stride_ = 0, token_stride_ = 0;
   torch::Tensor cos_, sin_, final_norm_, counts_, x_, out_;
   std::vector<Layer> layers_;
