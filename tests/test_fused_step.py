@@ -122,6 +122,19 @@ def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (pa.exp() * (pa - pb)).sum(-1)
 
 
+def _assert_distributions_agree(p: Pair, lengths: list[int], steps: int) -> None:
+    """The whole model's next-token distributions, teacher-forced: mean KL < 1e-3, max < 1e-2, the top
+    token the same at >= 90 % of the rows."""
+    kls, agree, n = [], 0, 0
+    for eager, fused in _teacher_forced(p, lengths, steps, 256):
+        kls.append(_kl(eager, fused))
+        agree += int((eager.argmax(-1) == fused.argmax(-1)).sum())
+        n += eager.shape[0]
+    kl = torch.cat(kls)
+    assert float(kl.mean()) < 1e-3 and float(kl.max()) < 1e-2, (float(kl.mean()), float(kl.max()))
+    assert agree / n >= 0.9
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quant", [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0])
 def test_one_layer_matches_the_eager_layer(kernels: object, quantized: dict, kind: str, quant: QuantKind) -> None:
@@ -142,14 +155,7 @@ def test_whole_model_next_token_distributions_agree(
     kernels: object, quantized: dict, layout: KVLayout, page_size: int
 ) -> None:
     p = _pair(quantized[("qwen2", QuantKind.Q4_1)], layout, page_size)
-    kls, agree, n = [], 0, 0
-    for eager, fused in _teacher_forced(p, [2, 5, 16, 31, 7, 1, 12, 3], 12, 256):
-        kls.append(_kl(eager, fused))
-        agree += int((eager.argmax(-1) == fused.argmax(-1)).sum())
-        n += eager.shape[0]
-    kl = torch.cat(kls)
-    assert float(kl.mean()) < 1e-3 and float(kl.max()) < 1e-2, (float(kl.mean()), float(kl.max()))
-    assert agree / n >= 0.9
+    _assert_distributions_agree(p, [2, 5, 16, 31, 7, 1, 12, 3], 12)
 
 
 def test_progress_counter_moves_once_per_layer_per_step(kernels: object, quantized: dict) -> None:
@@ -246,11 +252,4 @@ def test_dense_bf16_layer_matches_the_eager_layer(dense: dict[str, Path], kind: 
 def test_dense_bf16_whole_model_distributions_agree(dense: dict[str, Path]) -> None:
     """Every layer, 21 rows (the GEMM's 8-row passes and a remainder), 8 steps: KL and top token."""
     p = _pair(dense["qwen2"], dtype=torch.bfloat16)
-    kls, agree, n = [], 0, 0
-    for eager, fused in _teacher_forced(p, [1 + (i * 7) % 13 for i in range(21)], 8, 256):
-        kls.append(_kl(eager, fused))
-        agree += int((eager.argmax(-1) == fused.argmax(-1)).sum())
-        n += eager.shape[0]
-    kl = torch.cat(kls)
-    assert float(kl.mean()) < 1e-3 and float(kl.max()) < 1e-2, (float(kl.mean()), float(kl.max()))
-    assert agree / n >= 0.9
+    _assert_distributions_agree(p, [1 + (i * 7) % 13 for i in range(21)], 8)

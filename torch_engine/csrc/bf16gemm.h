@@ -29,9 +29,10 @@ inline bool supported() {
 }
 
 #if defined(DISAGG_HAS_BF16_GEMM)
+// out[r] = the 16 outputs of one packed group (wb) for input row r of x (R rows, row stride K); U
+// accumulators per row hide vdpbf16ps's latency at few rows. Shared with gemm_bf16.cpp.
 template <int R, int U>
-inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, const float* bias, float* y, int64_t ldy,
-                 int64_t n0, bool accumulate) {
+inline void dot16(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, __m512 (&out)[R]) {
   __m512 acc[U][R];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
@@ -50,14 +51,23 @@ inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, const
     for (int r = 0; r < R; ++r)
       acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_set1_epi32(xi[r * KP + kp]), wv);
   }
+  for (int r = 0; r < R; ++r) {
+    out[r] = acc[0][r];
+    for (int u = 1; u < U; ++u) out[r] = _mm512_add_ps(out[r], acc[u][r]);
+  }
+}
+
+template <int R, int U>
+inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, const float* bias, float* y, int64_t ldy,
+                 int64_t n0, bool accumulate) {
+  __m512 s[R];
+  dot16<R, U>(x, K, wb, s);
   const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
-    __m512 s = acc[0][r];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][r]);
     float* o = y + r * ldy + n0;
-    s = _mm512_add_ps(s, b);
-    if (accumulate) s = _mm512_add_ps(s, _mm512_loadu_ps(o));
-    _mm512_storeu_ps(o, s);
+    __m512 v = _mm512_add_ps(s[r], b);
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(o));
+    _mm512_storeu_ps(o, v);
   }
 }
 

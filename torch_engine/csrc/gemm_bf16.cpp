@@ -16,45 +16,23 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define DISAGG_HAS_BF16_DOT 1
-#endif
+#include "bf16gemm.h"
 
 namespace {
 
-#if defined(DISAGG_HAS_BF16_DOT)
+#if defined(DISAGG_HAS_BF16_GEMM)
 template <int R, int U>
 void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, const at::BFloat16* bias, at::BFloat16* out,
           int64_t N, int64_t n0) {
-  __m512 acc[U][R];
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
-  const int64_t KP = K / 2;
-  const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // pairs of bf16 of the input rows
-  int64_t kp = 0;
-  for (; kp + U <= KP; kp += U) {
-    for (int u = 0; u < U; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wb + (kp + u) * 32));
-      for (int r = 0; r < R; ++r)
-        acc[u][r] = _mm512_dpbf16_ps(acc[u][r], (__m512bh)_mm512_set1_epi32(xi[r * KP + kp + u]), wv);
-    }
-  }
-  for (; kp < KP; ++kp) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wb + kp * 32));
-    for (int r = 0; r < R; ++r)
-      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)_mm512_set1_epi32(xi[r * KP + kp]), wv);
-  }
+  __m512 s[R];
+  disagg_bf16::dot16<R, U>(x, K, wb, s);
   __m512 b = _mm512_setzero_ps();
   if (bias != nullptr) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0));
     b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 s = acc[0][r];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][r]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s, b)));
-  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s[r], b)));
 }
 
 template <int R>
@@ -72,7 +50,7 @@ constexpr RunFn RUNS[] = {run<1>, run<2>,  run<3>,  run<4>,  run<5>,  run<6>,  r
 #endif
 
 bool supported() {
-#if defined(DISAGG_HAS_BF16_DOT)
+#if defined(DISAGG_HAS_BF16_GEMM)
   return true;
 #else
   return false;
@@ -95,7 +73,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
     bp = bias.data_ptr<at::BFloat16>();
   }
   auto out = torch::empty({R, N}, x.options());
-#if defined(DISAGG_HAS_BF16_DOT)
+#if defined(DISAGG_HAS_BF16_GEMM)
   RUNS[R - 1](x.data_ptr<at::BFloat16>(), K, packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<at::BFloat16>(), N);
 #endif
   return out;
