@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import tiny_engine
+from tests.helpers import build_tiny, make_tiny_checkpoint, tiny_engine
 from torch_engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("engine_path")  # reference, fast (packed, fused kernels) and decode-graph paths
@@ -37,3 +37,16 @@ def test_logits_match_hf(kind: str, page_size: int, tiny, tiny_engine_dir) -> No
     for j, got in enumerate(logits):
         torch.testing.assert_close(got, ref[n - 1 + j], atol=1e-4, rtol=1e-4, msg=f"{kind} step {j}")
     assert out == ref[n - 1 : n - 1 + len(out)].argmax(-1).tolist()
+
+
+def test_drawn_biases_match_hf(tmp_path) -> None:
+    """Qwen2's q / k / v biases drawn (HF's initialisation zeroes them, so the test above cannot see a
+    bias dropped or misplaced): the engine's logits still equal HF's on every path."""
+    folder, hf = make_tiny_checkpoint("qwen2", tmp_path / "ckpt", random_biases=True)
+    assert any(float(p.abs().max()) > 0 for n, p in hf.named_parameters() if n.endswith(".bias"))
+    engine = tiny_engine(build_tiny(folder, tmp_path / "engine"))
+    logits, out = step_logits(engine, PROMPT, 6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + out])).logits[0]
+    for j, got in enumerate(logits):
+        torch.testing.assert_close(got, ref[len(PROMPT) - 1 + j], atol=1e-4, rtol=1e-4, msg=f"step {j}")

@@ -1,44 +1,68 @@
-"""Eager vs fused decode step on SmolLM2 dense bf16 (an HF-style dense engine), side by side."""
-import json, statistics, sys, time
-sys.path.insert(0, "/work/main")
-import torch
+"""Eager vs compiled decode step on SmolLM2 built dense bf16 (an HF checkpoint's kind of engine), side by side:
+the same engine with ``fused_decode`` off and on, alternated, medians of 3; prompt 256, 32 decode steps.
+
+Run from the repository root: ``.venv/bin/python benchmarks/fused-dense-2026-12-02/bench.py [OUT.json]``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
 from pathlib import Path
+
+import torch
+
 from builders import BuildOptions, build_engine
-from torch_engine.config import WeightStorage
-from torch_engine.config import DType, EngineConfig, PrefixCacheConfig
+from torch_engine.config import DType, EngineConfig, PrefixCacheConfig, WeightStorage
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
-out = Path("/tmp/dense/engine")
-if not (out / "engine.json").exists():
-    build_engine("smollm2", out, BuildOptions(dtype=DType.BFLOAT16, page_size=16, weights=WeightStorage.DENSE), progress=False)
+ENGINE = Path("/tmp/dense/engine")
 
-def step_ms(engine, B):
-    g = torch.Generator().manual_seed(B)
-    ids = [engine.add_request(torch.randint(100, 40000, (256,), generator=g).tolist(),
-                              SamplingParams(max_tokens=33, ignore_eos=True)) for _ in range(B)]
+
+def step_ms(engine: LLMEngine, batch: int) -> float:
+    """Mean decode-step time of ``batch`` requests (256 random prompt tokens each, 32 decode steps)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=33, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(100, 40000, (256,), generator=g).tolist(), params) for _ in range(batch)]
     while not all(engine.request(i).output_ids for i in ids):
         engine.step()
-    t0 = time.perf_counter(); n = 0
+    t0, n = time.perf_counter(), 0
     while engine.has_unfinished():
-        engine.step(); n += 1
-    dt = (time.perf_counter() - t0) / n
-    for i in ids: engine.retire(i)
-    return dt * 1000
+        engine.step()
+        n += 1
+    for i in ids:
+        engine.retire(i)
+    return (time.perf_counter() - t0) / n * 1000
 
-res = {}
-for threads in (1, 2):
-    torch.set_num_threads(threads)
-    engines = {f: LLMEngine(EngineConfig(engine_dir=out, fast_cpu=True, dtype=DType.BFLOAT16, fused_decode=f,
-                                         num_pages=1024, prefix_cache=PrefixCacheConfig(enabled=False)))
-               for f in (False, True)}
-    print(threads, {f: e.kernel_path for f, e in engines.items()}, flush=True)
-    for B in (1, 8, 16):
-        runs = {False: [], True: []}
-        for _ in range(3):
-            for f in (False, True):
-                runs[f].append(step_ms(engines[f], B))
-        m = {f: statistics.median(v) for f, v in runs.items()}
-        res[f"{threads}t b{B}"] = m
-        print(f"threads {threads} batch {B}: eager {m[False]:.1f} ms, fused {m[True]:.1f} ms, x{m[False]/m[True]:.2f}", flush=True)
-json.dump({k: {"eager_ms": v[False], "fused_ms": v[True]} for k, v in res.items()}, open("/tmp/dense/result.json", "w"), indent=1)
+
+def main(out: Path) -> None:
+    if not (ENGINE / "engine.json").exists():
+        opts = BuildOptions(dtype=DType.BFLOAT16, page_size=16, weights=WeightStorage.DENSE)
+        build_engine("smollm2", ENGINE, opts, progress=False)
+    result: dict[str, dict[str, float]] = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        engines = {
+            fused: LLMEngine(
+                EngineConfig(engine_dir=ENGINE, fast_cpu=True, dtype=DType.BFLOAT16, fused_decode=fused,
+                             num_pages=1024, prefix_cache=PrefixCacheConfig(enabled=False))
+            )
+            for fused in (False, True)
+        }  # fmt: skip
+        for batch in (1, 8, 16):
+            runs: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(3):
+                for fused, engine in engines.items():
+                    runs[fused].append(step_ms(engine, batch))
+            eager, fused_ms = statistics.median(runs[False]), statistics.median(runs[True])
+            result[f"{threads}t b{batch}"] = {"eager_ms": eager, "fused_ms": fused_ms}
+            ratio = eager / fused_ms
+            print(f"threads {threads} batch {batch}: eager {eager:.1f} ms, fused {fused_ms:.1f} ms, x{ratio:.2f}")
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dense/result.json"))
