@@ -43,7 +43,7 @@ def test_drawn_biases_match_hf(tmp_path) -> None:
     """Qwen2's q / k / v biases drawn (HF's initialisation zeroes them, so the test above cannot see a
     bias dropped or misplaced): the engine's logits still equal HF's on every path."""
     folder, hf = make_tiny_checkpoint("qwen2", tmp_path / "ckpt", random_biases=True)
-    assert any(float(p.abs().max()) > 0 for n, p in hf.named_parameters() if n.endswith(".bias"))
+    assert any(float(p.detach().abs().max()) > 0 for n, p in hf.named_parameters() if n.endswith(".bias"))
     engine = tiny_engine(build_tiny(folder, tmp_path / "engine"))
     logits, out = step_logits(engine, PROMPT, 6)
     with torch.no_grad():
