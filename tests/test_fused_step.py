@@ -201,8 +201,8 @@ def test_the_engine_picks_the_fused_step_where_it_applies(
     assert "fused-step" not in engine(dense, dtype="float32").kernel_path
     with pytest.raises(ValueError, match="GEMM weights neither kept as stored nor dense bf16"):
         engine(dense, dtype="float32", fused_decode=True)
-    bf16 = engine(dense, dtype="bfloat16").kernel_path  # dense bf16: the fused step where the CPU has the dot
-    assert ("fused-step" in bf16) == bool(kernels.gemm_bf16_supported()), bf16  # type: ignore[attr-defined]
+    if kernels.gemm_bf16_supported():  # type: ignore[attr-defined]
+        assert "fused-step" in engine(dense, dtype="bfloat16").kernel_path  # dense bf16: where the CPU has the dot
     assert "fused-step" not in engine(quantized[("qwen3", QuantKind.Q8_0)], fused_decode=False).kernel_path
     assert "fused-step" not in engine(smollm2_dir, fast_cpu=False).kernel_path  # the reference path
 

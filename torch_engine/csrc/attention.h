@@ -32,6 +32,27 @@ constexpr bool AVX512 = true;
 constexpr bool AVX512 = false;
 #endif
 
+// bf16 pages without converting them: a 64-byte load holds 32 values as 16 pairs; as fp32 the pair's
+// second value is the word with its low half cleared and the first is the word shifted left by 16. So the
+// head's D values are handled as D / 32 blocks of (16 even-indexed, 16 odd-indexed) values: the query and
+// the value accumulators are kept in that split order (split() / unsplit()), the dot products and the
+// weighted sums do not care about the order.
+inline void split(const float* x, float* out, int64_t D) {
+  for (int64_t v = 0; v < D / 32; ++v)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[v * 32 + i] = x[v * 32 + 2 * i];
+      out[v * 32 + 16 + i] = x[v * 32 + 2 * i + 1];
+    }
+}
+
+inline void unsplit(const float* x, float* out, int64_t D) {
+  for (int64_t v = 0; v < D / 32; ++v)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[v * 32 + 2 * i] = x[v * 32 + i];
+      out[v * 32 + 2 * i + 1] = x[v * 32 + 16 + i];
+    }
+}
+
 // Floats of scratch attend_range() needs for head size D and Q = H * G query heads.
 inline int64_t scratch_floats(int64_t D, int64_t Q) { return 3 * CHUNK * D + 2 * CHUNK + 3 * Q * D + 17 * Q; }
 
@@ -115,27 +136,6 @@ inline void chunk_avx512(const float* qf, const float* const* krow, const float*
       _mm512_storeu_ps(ag + v * 16, _mm512_add_ps(even, odd));
     }
   }
-}
-
-// bf16 pages without converting them: a 64-byte load holds 32 values as 16 pairs; as fp32 the pair's
-// second value is the word with its low half cleared and the first is the word shifted left by 16. So the
-// head's D values are handled as D / 32 blocks of (16 even-indexed, 16 odd-indexed) values: the query and
-// the value accumulators are kept in that split order (split() / unsplit()), the dot products and the
-// weighted sums do not care about the order.
-inline void split(const float* x, float* out, int64_t D) {
-  for (int64_t v = 0; v < D / 32; ++v)
-    for (int64_t i = 0; i < 16; ++i) {
-      out[v * 32 + i] = x[v * 32 + 2 * i];
-      out[v * 32 + 16 + i] = x[v * 32 + 2 * i + 1];
-    }
-}
-
-inline void unsplit(const float* x, float* out, int64_t D) {
-  for (int64_t v = 0; v < D / 32; ++v)
-    for (int64_t i = 0; i < 16; ++i) {
-      out[v * 32 + 2 * i] = x[v * 32 + i];
-      out[v * 32 + 2 * i + 1] = x[v * 32 + 16 + i];
-    }
 }
 
 // qhl (AVX-512 BF16): each query head as bf16 hi and lo parts (q ~= hi + lo to 16 bits), natural order:

@@ -1,0 +1,42 @@
+"""Every compiled kernel source builds for every CPU class, not only the one this test runs on.
+
+The engine compiles ``torch_engine/csrc`` with ``-march=native``, so a run on an AVX-512 machine never
+compiles the AVX2 or the scalar branches of the headers — and a build that fails on a machine falls back
+to PyTorch ops (``cpu_kernels`` logs it). That happened: from 2026-12-02 03:35 to 21:40 ``attention.h``
+called ``split()`` / ``unsplit()``, defined only under ``__AVX512F__``, from code every build compiles, so
+on AVX2-only CPUs no kernel built at all. Here each source is compiled (syntax and templates, no code
+generated) for ``x86-64`` (the scalar loops) and ``x86-64-v3`` (AVX2 + FMA + F16C).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import include_paths
+
+from torch_engine.kernels import CFLAGS, SOURCES
+
+LEVELS = ("x86-64", "x86-64-v3")
+
+
+def _check(source: Path, level: str) -> tuple[str, str]:
+    flags = [f for f in CFLAGS if not f.startswith("-march") and f != "-O3"]
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", f"-march={level}", *flags, *includes, str(source)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
+    return f"{source.name} at -march={level}", "\n".join(errors[:5]) if done.returncode else ""
+
+
+def test_every_kernel_source_compiles_for_every_cpu_class() -> None:
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here (the engine then runs PyTorch ops)")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda job: _check(*job), [(s, lv) for s in SOURCES for lv in LEVELS]))
+    failed = {what: errors for what, errors in results if errors}
+    assert not failed, failed
