@@ -23,7 +23,6 @@ from types import ModuleType
 
 import torch
 
-from torch_engine.config import KVLayout
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.layers import GatedMLP, Linear, RMSNorm, RotaryTable
@@ -69,12 +68,7 @@ class FusedStep:
         cfg, spec = model.cfg, kv.spec
         first, mlp0 = model.layers[0].attn, model.layers[0].mlp
         assert isinstance(first, LlamaAttention) and isinstance(mlp0, GatedMLP)
-        pool = kv.pools[0]
-        st = pool.stride()
-        if spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
-            strides = [st[0], st[1], st[2], st[3]]
-        else:  # [N, P, H, 2, D]
-            strides = [st[0], st[2], st[3], st[1]]
+        strides = kv.strides()  # every layer's pool has the same shape
         self._dtype = spec.dtype
         self._embed = model.embed
         self._step = kernels.FusedDecoder(

@@ -109,16 +109,20 @@ class PagedKVCache:
             return g[:, :, :, 0], g[:, :, :, 1]  # [B, M, H, 2, P, D] -> [B, M, H, P, D]
         return g[..., 0, :].transpose(2, 3), g[..., 1, :].transpose(2, 3)  # [B, M, P, H, 2, D]
 
+    def strides(self, layer: int = 0) -> list[int]:
+        """A GQA pool's (page, head, K / V, token) strides, as the compiled kernels take them."""
+        st = self.pools[layer].stride()
+        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
+            return [st[0], st[1], st[2], st[3]]
+        return [st[0], st[2], st[3], st[1]]  # [N, P, H, 2, D]
+
     def _kernel_pool(self, layer: int, q: torch.Tensor) -> tuple[ModuleType, torch.Tensor, list[int]] | None:
-        """The compiled kernels, a layer's pool and its (page, head, kv, token) strides, if the attention
-        kernels apply to ``q`` here (kernels loaded, CPU, not MLA, the pool's dtype); else None."""
+        """The compiled kernels, a layer's pool and its strides (``strides``), if the attention kernels
+        apply to ``q`` here (kernels loaded, CPU, not MLA, the pool's dtype); else None."""
         pool, k = self.pools[layer], self.kernels
         if k is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
             return None
-        st = pool.stride()
-        if self.spec.layout is KVLayout.HND:  # [N, H, 2, P, D]
-            return k, pool, [st[0], st[1], st[2], st[3]]
-        return k, pool, [st[0], st[2], st[3], st[1]]  # [N, P, H, 2, D]
+        return k, pool, self.strides(layer)
 
     def decode_attention(
         self, layer: int, q: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, scale: float
