@@ -78,7 +78,7 @@ def _runner(
     spec = cache_spec(manifest.model, 1, 256, page_size, layout, dtype)
     kv = PagedKVCache(spec)
     kv.kernels = cpu_kernels()
-    runner = ModelRunner(model, kv, LayerProgress(manifest.model.num_kv_layers), TPGroup.single(), CPU, 256)
+    runner = ModelRunner(model, kv, LayerProgress(manifest.model.num_kv_layers), TPGroup.single(), CPU, 512)
     if fused:
         runner.use_fused_step(True)
     return runner
@@ -172,6 +172,27 @@ def test_threads_do_not_change_the_result(kernels: object, quantized: dict) -> N
             torch.set_num_threads(n)
             p = _pair(quantized[("qwen3", QuantKind.Q4_0)])
             results.append(torch.cat([f for _, f in _teacher_forced(p, [4, 9, 2, 30, 5], 5, 256)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_long_sequences_in_parts_on_bf16_pages(kernels: object, quantized: dict) -> None:
+    """bf16 pages and 32-value heads (Qwen3's tiny config): the attention's split path, each row's query
+    prepared once for all its parts, sequences of 1 to 30 chunks (parts of 2 and 3 chunks, a short last
+    part): the eager model's distributions (its attention takes each sequence whole), and the same result
+    at 1, 2 and 3 threads."""
+    lengths = [5, 40, 130, 300, 470]
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            p = _pair(quantized[("qwen3", QuantKind.Q4_1)], page_size=16, dtype=torch.bfloat16)
+            if n == 1:
+                _assert_distributions_agree(p, list(lengths), 4)
+                p = _pair(quantized[("qwen3", QuantKind.Q4_1)], page_size=16, dtype=torch.bfloat16)
+            results.append(torch.cat([f for _, f in _teacher_forced(p, list(lengths), 3, 256)]))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

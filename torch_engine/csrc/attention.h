@@ -53,7 +53,7 @@ inline void unsplit(const float* x, float* out, int64_t D) {
     }
 }
 
-// Floats of scratch attend_range() needs for head size D and Q = H * G query heads.
+// Floats of scratch attend_range() (and attend_split()) needs for head size D and Q = H * G query heads.
 inline int64_t scratch_floats(int64_t D, int64_t Q) { return 3 * CHUNK * D + 2 * CHUNK + 3 * Q * D + 17 * Q; }
 
 template <typename T>
@@ -271,6 +271,89 @@ inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const 
   }
 }
 
+// The bf16 pages' query, prepared once for every part of a sequence it attends (split path: bf16 pool, a
+// head size that is a multiple of 32, AVX-512): qsplit [Q * D] = each head in split order, qhl [Q * 2 * D] =
+// each head as bf16 hi and lo parts (q ~= hi + lo to 16 bits; see chunk_bf16_avx512).
+inline void prepare_query(const float* qf, int64_t Q, int64_t D, float* qsplit, uint16_t* qhl) {
+  for (int64_t i = 0; i < Q; ++i) {
+    int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int64_t v = 0; v < D / 32; ++v) {  // split(), 32 values at a time
+      const __m512 a = _mm512_loadu_ps(qf + i * D + v * 32), b = _mm512_loadu_ps(qf + i * D + v * 32 + 16);
+      _mm512_storeu_ps(qsplit + i * D + v * 32, _mm512_permutex2var_ps(a, evens, b));
+      _mm512_storeu_ps(qsplit + i * D + v * 32 + 16, _mm512_permutex2var_ps(a, odds, b));
+    }
+    // round to nearest even, as at::BFloat16 does (a query is finite)
+    auto round16 = [](__m512 x) {
+      const __m512i b = _mm512_castps_si512(x);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+      return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    };
+    for (; d + 16 <= D; d += 16) {
+      const __m512 x = _mm512_loadu_ps(qf + i * D + d);
+      const __m512i hi = round16(x);
+      const __m512i lo = round16(_mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qhl + i * 2 * D + d), _mm512_cvtepi32_epi16(hi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qhl + i * 2 * D + D + d), _mm512_cvtepi32_epi16(lo));
+    }
+#else
+    split(qf + i * D, qsplit + i * D, D);
+#endif
+    for (; d < D; ++d) {
+      const at::BFloat16 hi(qf[i * D + d]);
+      const at::BFloat16 lo(qf[i * D + d] - static_cast<float>(hi));
+      qhl[i * 2 * D + d] = hi.x;
+      qhl[i * 2 * D + D + d] = lo.x;
+    }
+  }
+}
+
+// The K / V of the chunk starting at token cs, one pointer a token (K of KV head 0; V at + kv_stride).
+template <typename T>
+inline int64_t chunk_rows(const T* pool, const int64_t* row, int64_t cs, int64_t t1, int64_t P, int64_t page_stride,
+                          int64_t token_stride, const T** base) {
+  const int64_t len = std::min(CHUNK, t1 - cs);
+  for (int64_t t = 0; t < len; ++t) base[t] = pool + row[(cs + t) / P] * page_stride + ((cs + t) % P) * token_stride;
+  return len;
+}
+
+#if defined(__AVX512F__)
+// attend_range() on the split path with the query prepared (prepare_query) and the accumulators asplit kept
+// in split order (unsplit() each head once its parts are merged). scratch: scratch_floats() floats. Chunks
+// are prefetched one ahead up to token `ahead` (>= t1: a part of a sequence prefetches the next part's first
+// chunk; parts of 32 tokens lost 10 % without it).
+template <int64_t KD>
+void attend_split(const float* qsplit, const uint16_t* qhl, const at::BFloat16* pool, int64_t H, int64_t head_stride,
+                  const int64_t* row, int64_t t0, int64_t t1, int64_t ahead, int64_t G, int64_t dyn_d, int64_t P,
+                  int64_t page_stride, int64_t kv_stride, int64_t token_stride, float* asplit, float* m, float* l,
+                  float* scratch) {
+  const int64_t D = KD > 0 ? KD : dyn_d;
+  float* zeros = scratch;  // D floats: the rows past a short chunk's end
+  float* pts = scratch + D;
+  float* rescale = pts + G * CHUNK;
+  std::fill(zeros, zeros + D, 0.0f);
+  const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
+  const at::BFloat16* base[CHUNK];
+  for (int64_t cs = t0; cs < t1; cs += CHUNK) {
+    const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
+    prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, ahead, D, P, page_stride, kv_stride, token_stride);
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* kb[CHUNK];
+      const uint16_t* vb[CHUNK];
+      for (int64_t t = 0; t < CHUNK; ++t) {
+        const at::BFloat16* k = t < len ? base[t] + h * head_stride : nullptr;
+        kb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k) : zero16;
+        vb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k + kv_stride) : zero16;
+      }
+      chunk_bf16_avx512<KD / 32>(qsplit + h * G * D, qhl + h * G * 2 * D, kb, vb, len, G, D / 32, asplit + h * G * D,
+                                 m + h * G, l + h * G, pts, rescale);
+    }
+  }
+}
+#endif
+
 // Tokens [t0, t1) of a sequence whose pages are `row` (page i holds tokens [i * P, (i + 1) * P)), for all
 // H KV heads at once: a chunk of tokens is read head after head, which walks each page in address order
 // (reading one head's slice of every page instead runs at a third of the bandwidth here). `pool` points at
@@ -282,55 +365,32 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
                   int64_t t1, int64_t G, int64_t dyn_d, int64_t P, int64_t page_stride, int64_t kv_stride,
                   int64_t token_stride, float* acc, float* m, float* l, float* scratch) {
   const int64_t D = KD > 0 ? KD : dyn_d;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (D % 32 == 0) {  // the split path: the query prepared, the accumulators split, and back at the end
+      float* qsplit = scratch + 3 * CHUNK * D + 2 * CHUNK;
+      float* asplit = qsplit + H * G * D;
+      uint16_t* qhl = reinterpret_cast<uint16_t*>(asplit + H * G * D);  // H * G * 2 * D bf16
+      prepare_query(qf, H * G, D, qsplit, qhl);
+      for (int64_t i = 0; i < H * G; ++i) split(acc + i * D, asplit + i * D, D);
+      attend_split<KD>(qsplit, qhl, pool, H, head_stride, row, t0, t1, t1, G, D, P, page_stride, kv_stride,
+                       token_stride, asplit, m, l, scratch);
+      for (int64_t i = 0; i < H * G; ++i) unsplit(asplit + i * D, acc + i * D, D);
+      return;
+    }
+  }
+#endif
   float* kbuf = scratch;
   float* vbuf = scratch + CHUNK * D;
   float* zeros = scratch + 2 * CHUNK * D;  // D floats: the rows past a short chunk's end
   float* sc = scratch + 3 * CHUNK * D;
   std::fill(zeros, zeros + D, 0.0f);
-  const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
-  // the bf16 path's split query heads and accumulators (see chunk_bf16_avx512), converted back at the end
-  const bool split_path = std::is_same_v<T, at::BFloat16> && D % 32 == 0 && AVX512;
-  float* qsplit = scratch + 3 * CHUNK * D + 2 * CHUNK;
-  float* asplit = qsplit + H * G * D;
-  uint16_t* qhl = reinterpret_cast<uint16_t*>(asplit + H * G * D);  // H * G * 2 * D bf16
-  float* pts = asplit + 2 * H * G * D;                               // G * 16
-  float* rescale = pts + G * 16;                                     // G
-  if (split_path)
-    for (int64_t i = 0; i < H * G; ++i) {
-      split(qf + i * D, qsplit + i * D, D);
-      split(acc + i * D, asplit + i * D, D);
-      for (int64_t d = 0; d < D; ++d) {
-        const at::BFloat16 hi(qf[i * D + d]);
-        const at::BFloat16 lo(qf[i * D + d] - static_cast<float>(hi));
-        qhl[i * 2 * D + d] = hi.x;
-        qhl[i * 2 * D + D + d] = lo.x;
-      }
-    }
   const T* base[CHUNK];  // each token's K of head 0
   const float* krow[CHUNK];
   const float* vrow[CHUNK];
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
-    const int64_t len = std::min(CHUNK, t1 - cs);
-    for (int64_t t = 0; t < len; ++t) base[t] = pool + row[(cs + t) / P] * page_stride + ((cs + t) % P) * token_stride;
+    const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
     prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (D % 32 == 0) {
-        for (int64_t h = 0; h < H; ++h) {
-          const uint16_t* kb[CHUNK];
-          const uint16_t* vb[CHUNK];
-          for (int64_t t = 0; t < CHUNK; ++t) {
-            const T* k = t < len ? base[t] + h * head_stride : nullptr;
-            kb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k) : zero16;
-            vb[t] = k != nullptr ? reinterpret_cast<const uint16_t*>(k + kv_stride) : zero16;
-          }
-          chunk_bf16_avx512<KD / 32>(qsplit + h * G * D, qhl + h * G * 2 * D, kb, vb, len, G, D / 32,
-                                     asplit + h * G * D, m + h * G, l + h * G, pts, rescale);
-        }
-        continue;
-      }
-    }
-#endif
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < len; ++t) {
         const T* k = base[t] + h * head_stride;
@@ -358,35 +418,28 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
       chunk_plain(qh, krow, vrow, len, G, D, ah, mh, lh, sc);
     }
   }
-  if (split_path)
-    for (int64_t i = 0; i < H * G; ++i) unsplit(asplit + i * D, acc + i * D, D);
 }
 
 // out [G * D] = the normalised combination of S partial states (acc [G * D], m [G], l [G] each, at
-// stride `part` floats: acc first, then m, then l); heads [g0, g1) only if given.
-template <typename OT>
-void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, OT* out, int64_t g0 = 0,
-           int64_t g1 = -1) {
+// stride `part` floats: acc first, then m, then l); heads [g0, g1) only if given. Parts in order, each
+// weighted by exp(its m - the largest m), a head's D values at a time (vectorised over D).
+inline void merge(const float* parts, int64_t S, int64_t part, int64_t G, int64_t D, float* out, int64_t g0 = 0,
+                  int64_t g1 = -1) {
   for (int64_t g = g0; g < (g1 < 0 ? G : g1); ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, parts[s * part + G * D + g]);
-    float w[64];  // each part's weight (parts of 128 tokens: 64 cover 8k tokens; more are merged in rounds)
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.0f);
     float denom = 0.0f;
-    for (int64_t s0 = 0; s0 < S; s0 += 64) {
-      const int64_t n = std::min<int64_t>(64, S - s0);
-      for (int64_t s = 0; s < n; ++s) {
-        const float* p = parts + (s0 + s) * part;
-        w[s] = std::exp(p[G * D + g] - mx);
-        denom += p[G * D + G + g] * w[s];
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        float v = s0 == 0 ? 0.0f : static_cast<float>(out[g * D + d]);
-        for (int64_t s = 0; s < n; ++s) v += parts[(s0 + s) * part + g * D + d] * w[s];
-        out[g * D + d] = static_cast<OT>(v);
-      }
+    for (int64_t s = 0; s < S; ++s) {
+      const float* p = parts + s * part;
+      const float w = std::exp(p[G * D + g] - mx);
+      denom += p[G * D + G + g] * w;
+      const float* a = p + g * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
     }
     const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<OT>(static_cast<float>(out[g * D + d]) * inv);
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
 }
 

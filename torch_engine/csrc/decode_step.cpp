@@ -43,7 +43,11 @@ using disagg_q::BLOCK;
 using disagg_q::Q16;
 using disagg_q::share;
 
-constexpr int64_t PART_CHUNKS = 8;  // 128 tokens: a part of a sequence's attention, one job
+// Chunks of 16 tokens in a part of a sequence's attention (one job): about 8 parts a sequence, of 2 to 8
+// chunks (32-128 tokens), so that a short sequence at batch 1 still splits evenly over the threads (parts
+// of 128 tokens left one of two threads a 34-token part against 256 at 290 tokens of context); set by the
+// sequence's own length only, so its result depends neither on the thread count nor on the batch.
+inline int64_t part_chunks(int64_t chunks) { return std::clamp<int64_t>(chunks / 8, 2, 8); }
 
 struct Lin {
   Q16 w;                                 // N and K set for dense weights too
@@ -296,12 +300,18 @@ class FusedDecoder {
     const int threads = std::max(1, at::get_num_threads());
     const auto attend = D == 64 ? disagg_attn::attend_range<T, 64>
                                 : (D == 128 ? disagg_attn::attend_range<T, 128> : disagg_attn::attend_range<T, 0>);
-    // attention jobs: each sequence in parts of PART_CHUNKS chunks (so that one long sequence keeps every
+    // bf16 pages with whole 32-value blocks a head (AVX-512): each row's query prepared once (in the rotary
+    // phase) for all its parts, whose accumulators stay in split order until merged (attention.h)
+    const bool split = std::is_same_v<T, at::BFloat16> && D % 32 == 0 && disagg_attn::AVX512;
+    torch::Tensor qprep = torch::empty({split ? B * A * 2 : 0}, f32);  // [B, A] split + [B, A] as bf16 hi / lo pairs
+    float* qsp = qprep.data_ptr<float>();
+    uint16_t* qhlp = reinterpret_cast<uint16_t*>(qsp + B * A);
+    // attention jobs: each sequence in parts of part_chunks() chunks (so that one long sequence keeps every
     // thread busy), whatever the thread count (so that the result does not depend on it)
     std::vector<int64_t> first_job(B + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t chunks = (lens[b] + disagg_attn::CHUNK - 1) / disagg_attn::CHUNK;
-      first_job[b + 1] = first_job[b] + (chunks + PART_CHUNKS - 1) / PART_CHUNKS;
+      first_job[b + 1] = first_job[b] + (chunks + part_chunks(chunks) - 1) / part_chunks(chunks);
     }
     std::vector<int64_t> job_row(first_job[B]);
     for (int64_t b = 0; b < B; ++b) std::fill(job_row.begin() + first_job[b], job_row.begin() + first_job[b + 1], b);
@@ -311,7 +321,7 @@ class FusedDecoder {
     int64_t total_chunks = 0;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t chunks = (lens[b] + disagg_attn::CHUNK - 1) / disagg_attn::CHUNK;
-      for (int64_t c = 0; c < chunks; c += PART_CHUNKS) starts.push_back(total_chunks + c);
+      for (int64_t c = 0; c < chunks; c += part_chunks(chunks)) starts.push_back(total_chunks + c);
       total_chunks += chunks;
     }
     auto job_at = [&](int th, int n) -> int64_t {  // the first job of thread th of n
@@ -346,7 +356,7 @@ class FusedDecoder {
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      std::vector<float> scratch(disagg_attn::scratch_floats(D, HQ_));
+      std::vector<float> scratch(disagg_attn::scratch_floats(D, HQ_)), unsplit_buf(D);
       const auto [r0, r1] = share(B, t, nt);
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
@@ -378,6 +388,7 @@ class FusedDecoder {
               for (int64_t d = 0; d < D; ++d) qh[g * D + d] *= scale;
             }
             rope(kh, c, s, D);
+            if (split) disagg_attn::prepare_query(qh, G, D, qsp + b * A + hk * G * D, qhlp + b * 2 * A + hk * G * 2 * D);
             T* slot = pool + tab[b * M + p / P_] * page_stride_ + hk * head_stride_ + (p % P_) * token_stride_;
             for (int64_t d = 0; d < D; ++d) {
               slot[d] = static_cast<T>(kh[d]);
@@ -390,14 +401,18 @@ class FusedDecoder {
         {
           const T* pool = L.pool.data_ptr<T>();
           for (int64_t j = job_at(t, nt); j < job_at(t + 1, nt); ++j) {
-            const int64_t b = job_row[j], c0 = (j - first_job[b]) * PART_CHUNKS, c1 = c0 + PART_CHUNKS;
+            const int64_t b = job_row[j], pc = part_chunks((lens[b] + disagg_attn::CHUNK - 1) / disagg_attn::CHUNK);
+            const int64_t c0 = (j - first_job[b]) * pc, t0 = c0 * disagg_attn::CHUNK;
+            const int64_t t1 = std::min((c0 + pc) * disagg_attn::CHUNK, lens[b]);
             float* part = partp + j * PART;
             std::fill(part, part + A, 0.0f);
             std::fill(part + A, part + A + HQ_, -std::numeric_limits<float>::infinity());
             std::fill(part + A + HQ_, part + PART, 0.0f);
-            attend(qkvp + b * QKV, pool, HKV_, head_stride_, tab + b * M, c0 * disagg_attn::CHUNK,
-                   std::min(c1 * disagg_attn::CHUNK, lens[b]), G, D, P_, page_stride_, kv_stride_, token_stride_, part,
-                   part + A, part + A + HQ_, scratch.data());
+            if (split)
+              attend_prepared(qsp + b * A, qhlp + b * 2 * A, pool, tab + b * M, t0, t1, lens[b], part, scratch.data());
+            else
+              attend(qkvp + b * QKV, pool, HKV_, head_stride_, tab + b * M, t0, t1, G, D, P_, page_stride_, kv_stride_,
+                     token_stride_, part, part + A, part + A + HQ_, scratch.data());
           }
         }
 #pragma omp barrier
@@ -408,6 +423,11 @@ class FusedDecoder {
             const int64_t r = i / per, h0 = (i % per) * hs;
             disagg_attn::merge(partp + first_job[r] * PART, first_job[r + 1] - first_job[r], PART, HQ_, D,
                                attp + r * A, h0, h0 + hs);
+            for (int64_t h = h0; split && h < h0 + hs; ++h) {  // the heads back from split order
+              float* head = attp + r * A + h * D;
+              std::copy(head, head + D, unsplit_buf.begin());
+              disagg_attn::unsplit(unsplit_buf.data(), head, D);
+            }
             const int64_t NBA = A / BLOCK;
             for (int64_t blk = h0 * D / BLOCK; blk < (h0 + hs) * D / BLOCK; ++blk) {
               const int64_t k = r * NBA + blk;
@@ -451,6 +471,25 @@ class FusedDecoder {
       }
       for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * H, final_norm_.data_ptr<float>(), outp + r * H, H, eps_);
     }
+  }
+
+  // One part of a row's attention on the split path (attention.h's attend_split) from its prepared query;
+  // part: the accumulators (split order), m and l. T is the pool's dtype (only bf16 takes this path).
+  template <typename T>
+  void attend_prepared(const float* qsplit, const uint16_t* qhl, const T* pool, const int64_t* row, int64_t t0,
+                       int64_t t1, int64_t len, float* part, float* scratch) const {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const int64_t G = HQ_ / HKV_, A = HQ_ * D_;
+      const auto fn = D_ == 64    ? disagg_attn::attend_split<64>
+                      : D_ == 128 ? disagg_attn::attend_split<128>
+                                  : disagg_attn::attend_split<0>;
+      fn(qsplit, qhl, pool, HKV_, head_stride_, row, t0, t1, len, G, D_, P_, page_stride_, kv_stride_, token_stride_,
+         part, part + A, part + A + HQ_, scratch);
+      return;
+    }
+#endif
+    (void)qsplit, (void)qhl, (void)pool, (void)row, (void)t0, (void)t1, (void)len, (void)part, (void)scratch;  // unused
   }
 
   int64_t H_, HQ_, HKV_, D_, I_;
