@@ -18,8 +18,13 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// AVX2 + FMA without AVX-512 (an AVX2-only CPU: its engine runs fp32): the chunk kernel and exp in 8 lanes
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define DISAGG_ATTN_AVX2 1
 #endif
 
 namespace disagg_attn {
@@ -226,6 +231,82 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
 }
 #endif
 
+#if defined(DISAGG_ATTN_AVX2)
+// exp(x) as exp512() in 8 lanes; 2^n built in the exponent bits (n in [-126, 127] after the clamp).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane t of the result = the sum of the 8 lanes of a[t].
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 y0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 y1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+}
+
+// chunk_avx512() in 8 lanes (head size a multiple of 8): the chunk's scores 8 tokens at a time (8
+// accumulators reduced by hsum8), exp vectorised, value accumulators in registers (even and odd tokens).
+template <int64_t DV>
+inline void chunk_avx2(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
+                       int64_t dyn_dv, float* acc, float* m, float* l) {
+  const int64_t nv = DV > 0 ? DV : dyn_dv;
+  alignas(32) float sc[CHUNK];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * nv * 8;
+    for (int half = 0; half < 2; ++half) {
+      const float* const* kr = krow + half * 8;
+      __m256 a[8];
+      const __m256 q0 = _mm256_loadu_ps(qg);
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr[t]));
+      for (int64_t v = 1; v < nv; ++v) {
+        const __m256 qv = _mm256_loadu_ps(qg + v * 8);
+        for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + v * 8), a[t]);
+      }
+      _mm256_store_ps(sc + half * 8, hsum8(a));
+    }
+    float mp = m[g];
+    for (int64_t t = 0; t < len; ++t) mp = std::max(mp, sc[t]);
+    const float c = std::exp(m[g] - mp);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(sc + half * 8), _mm256_set1_ps(mp)));
+      _mm256_store_ps(sc + half * 8, p);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < CHUNK; ++t) {
+      if (t >= len) sc[t] = 0.0f;  // rows past the chunk's end
+      sum += sc[t];
+    }
+    l[g] = l[g] * c + sum;
+    m[g] = mp;
+    float* ag = acc + g * nv * 8;
+    const __m256 cv = _mm256_set1_ps(c);
+    constexpr int64_t NW = DV > 0 && DV <= 8 ? DV : 1;  // value accumulators kept in registers: 8 of 16
+    for (int64_t v0 = 0; v0 < nv; v0 += NW) {
+      __m256 av[NW];
+      for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_mul_ps(_mm256_loadu_ps(ag + (v0 + w) * 8), cv);
+      for (int64_t t = 0; t < len; ++t) {
+        const __m256 p = _mm256_set1_ps(sc[t]);
+        for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[t] + (v0 + w) * 8), av[w]);
+      }
+      for (int64_t w = 0; w < NW; ++w) _mm256_storeu_ps(ag + (v0 + w) * 8, av[w]);
+    }
+  }
+}
+#endif
+
 // The same chunk with plain loops (any head size, any CPU).
 inline void chunk_plain(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
                         int64_t D, float* acc, float* m, float* l, float* sc) {
@@ -412,6 +493,11 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
 #if defined(__AVX512F__)
       if (D % 16 == 0) {
         chunk_avx512<KD / 16>(qh, krow, vrow, len, G, D / 16, ah, mh, lh);
+        continue;
+      }
+#elif defined(DISAGG_ATTN_AVX2)
+      if (D % 8 == 0) {
+        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh);
         continue;
       }
 #endif

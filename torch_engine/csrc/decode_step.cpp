@@ -85,6 +85,13 @@ inline void silu_mul(const float* gate, const float* up, float* out) {
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                             _mm512_loadu_ps(up + i)));
   }
+#elif defined(DISAGG_ATTN_AVX2)
+  for (int64_t i = 0; i < BLOCK; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = disagg_attn::exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                            _mm256_loadu_ps(up + i)));
+  }
 #else
   for (int64_t i = 0; i < BLOCK; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 #endif
