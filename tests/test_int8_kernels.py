@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -21,25 +20,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from torch_engine.cpu import cpu_info
-from torch_engine.kernels import CFLAGS, cpu_kernels
+from tests.shims import compile_levels
+from torch_engine.kernels import cpu_kernels
 from torch_engine.quant import QuantKind, from_gguf_blocks, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
-LEVELS = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "f16c"}, "native": set()}
 KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
-
-
-def _compile(level: str, out: Path) -> ctypes.CDLL:
-    obj, lib = out / f"qgemm-{level}.o", out / f"qgemm-{level}.so"
-    flags = [f for f in CFLAGS if not f.startswith("-march") and f != "-fopenmp"]
-    subprocess.run(["g++", "-c", "-fPIC", f"-march={level}", *flags, str(SHIM), "-o", str(obj)], check=True)
-    # linked without -ffast-math: with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the
-    # whole process when the library loads (the router fuzzer's hypothesis then refuses to run)
-    subprocess.run(["g++", "-shared", str(obj), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
-    so.qgemm_path.restype = ctypes.c_char_p
-    return so
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +33,10 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
     if shutil.which("g++") is None or cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
     out = tmp_path_factory.mktemp("qgemm")
-    have = cpu_info().flags
-    return {lvl: _compile(lvl, out) for lvl, needs in LEVELS.items() if needs <= have}
+    libs = compile_levels(SHIM, out)
+    for so in libs.values():
+        so.qgemm_path.restype = ctypes.c_char_p
+    return libs
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:
