@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.launch import Launch
 from serving.ports import free_port
@@ -60,6 +62,19 @@ def _run(cmd: list[str], cwd: Path) -> str:
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     return out
+
+
+def _router_counts(launch: Launch) -> tuple[float, float]:
+    """The router's own count of chat completions answered 200 and of completion tokens it sent."""
+    req = urllib.request.Request(f"{_target(launch)}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    ok = sum(s.value for s in samples if s.name == "disagg_router_requests_total"
+             and s.labels == {"route": "/v1/chat/completions", "status": "200"})  # fmt: skip
+    tokens = sum(
+        s.value for s in samples if s.name == "disagg_router_tokens_total" and s.labels == {"kind": "completion"}
+    )
+    return ok, tokens
 
 
 def _text(content: Any) -> str:
@@ -108,10 +123,18 @@ def test_guidellm_runs_unchanged_and_reports_what_was_served(deployment: Launch,
     }}  # fmt: skip
     config = tmp_path / "scenario.json"
     config.write_text(json.dumps(scenario))
+    served_before, tokens_before = _router_counts(deployment)
     _run([str(tool("guidellm")), "run", "-c", str(config), "--disable-console-interactive"], tmp_path)
+    served, tokens = _router_counts(deployment)
+    assert (served - served_before, tokens - tokens_before) == (REQUESTS, REQUESTS * OUTPUT)  # the server's side
     (bench,) = json.loads(report.read_text())["benchmarks"]
-    assert bench["metrics"]["request_totals"] == {"successful": REQUESTS, "errored": 0, "incomplete": 0,
-                                                  "total": REQUESTS}  # fmt: skip
+    totals = bench["metrics"]["request_totals"]
+    assert totals["errored"] == totals["incomplete"] == 0 and totals["successful"] == totals["total"], totals
+    # guidellm 0.8.1 can lose the run's last update: the update that completes the run sets its shutdown event
+    # before it is queued (utils/messaging.py, the receive thread), and a poll timing out in between ends
+    # request_updates() (scheduler/worker_group.py) without it. Seen once in CI (11 of 12, on a loaded 2-core
+    # machine); the router's counts above say all 12 were served.
+    assert totals["total"] in (REQUESTS, REQUESTS - 1), totals
     tok = Tokenizer(smollm2_dir)
     cached = 0
     for r in bench["requests"]["successful"]:
