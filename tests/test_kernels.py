@@ -48,7 +48,7 @@ def test_paged_prefill_attention_equals_causal_sdpa(
     """A prefill chunk read in place from scattered pages equals PyTorch's SDPA over the gathered keys with
     the chunk's causal mask (query i sees keys 0 .. first + i)."""
     if KERNELS is None or not KERNELS.prefill_attention_supported():
-        pytest.skip("this CPU has no AVX-512: prefill attention runs PyTorch's SDPA")
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA: prefill attention runs PyTorch's SDPA")
     torch.manual_seed(1)
     kv = PagedKVCache(KVCacheSpec(1, 40, 16, layout, dtype, kv_heads=kv_heads, head_dim=head_dim))
     kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))

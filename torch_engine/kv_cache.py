@@ -141,7 +141,8 @@ class PagedKVCache:
     ) -> torch.Tensor | None:
         """A causal prefill chunk (``q`` ``[L, Hq, D]`` at positions ``first..``) over its sequence's pages
         (``page_table`` ``[1, M]``) with the compiled kernel, reading K/V in place; None when it does not
-        apply here (no kernels or no AVX-512, another device, MLA, a head size not a multiple of 16)."""
+        apply here (no kernels, or neither AVX-512 nor AVX2, another device, MLA, a head size not a multiple of
+        16)."""
         found = self._kernel_pool(layer, q)
         if found is None or q.shape[-1] % 16 or q.shape[-1] > 256 or not found[0].prefill_attention_supported():
             return None
