@@ -33,16 +33,23 @@ BUILD_ROOT = Path(__file__).resolve().parent.parent / "build" / "kernels"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]  # at::parallel_for is OpenMP
 
 
-def build_dir() -> Path:
+_MARCH = ["native"]  # the instruction-set level this process builds and loads (use_march)
+
+
+def _flags(march: str) -> list[str]:
+    return [f if not f.startswith("-march") else f"-march={march}" for f in CFLAGS]
+
+
+def build_dir(march: str = "native") -> Path:
     texts = [p.read_text(encoding="utf-8") for p in [*SOURCES, *HEADERS]]  # whatever the locale (Triton: ASCII)
-    key = "|".join([torch.__version__, *CFLAGS, *sorted(cpu_info().flags), *texts])
+    key = "|".join([torch.__version__, *_flags(march), *sorted(cpu_info().flags), *texts])
     return BUILD_ROOT / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def build(verbose: bool = False) -> ModuleType:
+def build(verbose: bool = False, march: str = "native") -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    out = build_dir()
+    out = build_dir(march)
     out.mkdir(parents=True, exist_ok=True)
     venv_bin = str(Path(sys.executable).parent)  # torch runs `ninja` from PATH; pip installs it next to python
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
@@ -51,17 +58,26 @@ def build(verbose: bool = False) -> ModuleType:
         name="disagg_cpu_kernels",
         sources=[str(p) for p in SOURCES],
         build_directory=str(out),
-        extra_cflags=CFLAGS,
+        extra_cflags=_flags(march),
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
+
+
+def use_march(level: str) -> None:
+    """Build and load this process's kernels for ``-march=level`` (``x86-64-v3``: what an AVX2-only CPU
+    builds) instead of the CPU's own: for tests and benchmarks of another CPU class's code paths. Call it
+    before anything loads the kernels (one process holds one build of the extension)."""
+    if cpu_kernels.cache_info().currsize:
+        raise RuntimeError("the CPU kernels are already loaded in this process")
+    _MARCH[0] = level
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None (logged) where they cannot be built here."""
     try:
-        return build()
+        return build(march=_MARCH[0])
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler / ninja, or a failed build
         log.warning("CPU kernels unavailable, using PyTorch ops instead: %s", exc)
         return None
