@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,39 @@ def prefill_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.
     return libs
 
 
+H, G, PAGE = 3, 3, 16  # KV heads, query heads per KV head, page size
+
+
+@dataclass(frozen=True)
+class Pages:
+    """A fp32 pool holding one sequence of n tokens on pages anywhere in it (HND or NHD), its page row, the
+    pool's strides in floats (page, head, kv, token) and each KV head's K / V in token order (float64)."""
+
+    pool: np.ndarray
+    row: np.ndarray
+    strides: tuple[int, int, int, int]
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+    @staticmethod
+    def make(rng: np.random.Generator, n: int, d: int, hnd: bool) -> Pages:
+        pages = (n + PAGE - 1) // PAGE
+        shape = (pages + 3, H, 2, PAGE, d) if hnd else (pages + 3, PAGE, 2, H, d)
+        pool = rng.standard_normal(shape).astype(np.float32)
+        row = rng.permutation(pages + 3)[:pages].astype(np.int64)  # pages anywhere in the pool
+        s = [x // 4 for x in pool.strides]
+        strides = (s[0], s[1], s[2], s[3]) if hnd else (s[0], s[3], s[2], s[1])
+        tok = np.arange(n)
+        pg, slot = row[tok // PAGE], tok % PAGE
+        k = [(pool[pg, kh, 0, slot] if hnd else pool[pg, slot, 0, kh]).astype(np.float64) for kh in range(H)]
+        v = [(pool[pg, kh, 1, slot] if hnd else pool[pg, slot, 1, kh]).astype(np.float64) for kh in range(H)]
+        return Pages(pool, row, strides, k, v)
+
+    def args(self) -> list[ctypes.c_int64]:
+        """The page size and strides as the C entry points take them."""
+        return [ctypes.c_int64(x) for x in (PAGE, *self.strides)]
+
+
 def _p(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
@@ -70,35 +104,20 @@ def test_each_level_builds_its_own_prefill_path(prefill_paths: dict[str, ctypes.
 @pytest.mark.parametrize("hnd", [True, False])
 def test_attention_equals_float64_softmax(paths: dict[str, ctypes.CDLL], d: int, n: int, hnd: bool) -> None:
     rng = np.random.default_rng(n * 100 + d)
-    h, g, page = 3, 3, 16
-    pages = (n + page - 1) // page
-    pool_pages = pages + 3
-    shape = (pool_pages, h, 2, page, d) if hnd else (pool_pages, page, 2, h, d)
-    pool = rng.standard_normal(shape).astype(np.float32)
-    row = rng.permutation(pool_pages)[:pages].astype(np.int64)  # pages anywhere in the pool
-    q = rng.standard_normal((h * g, d)).astype(np.float32)
-    s = pool.strides
-    if hnd:  # strides in floats: page, head, kv, token
-        page_s, head_s, kv_s, tok_s = (x // 4 for x in (s[0], s[1], s[2], s[3]))
-    else:
-        page_s, tok_s, kv_s, head_s = (x // 4 for x in (s[0], s[1], s[2], s[3]))
+    pp = Pages.make(rng, n, d, hnd)
+    q = rng.standard_normal((H * G, d)).astype(np.float32)
     scale = 1.0 / np.sqrt(d)
-    # reference: gather each head's K / V in token order, float64 softmax
-    tok = np.arange(n)
-    pg, slot = row[tok // page], tok % page
-    ref = np.empty((h * g, d))
-    for kh in range(h):
-        k = (pool[pg, kh, 0, slot] if hnd else pool[pg, slot, 0, kh]).astype(np.float64)
-        v = (pool[pg, kh, 1, slot] if hnd else pool[pg, slot, 1, kh]).astype(np.float64)
-        for j in range(g):
-            sc = k @ q[kh * g + j].astype(np.float64) * scale
+    ref = np.empty((H * G, d))  # float64 softmax over each head's K / V in token order
+    for kh in range(H):
+        for j in range(G):
+            sc = pp.k[kh] @ q[kh * G + j].astype(np.float64) * scale
             w = np.exp(sc - sc.max())
-            ref[kh * g + j] = (w / w.sum()) @ v
+            ref[kh * G + j] = (w / w.sum()) @ pp.v[kh]
     for level, so in paths.items():
-        out = np.zeros((h * g, d), dtype=np.float32)
-        so.attend_f32(_p(q), _p(pool), ctypes.c_int64(h), ctypes.c_int64(g), ctypes.c_int64(d), _p(row),
-                      ctypes.c_int64(n), ctypes.c_int64(page), ctypes.c_int64(page_s), ctypes.c_int64(head_s),
-                      ctypes.c_int64(kv_s), ctypes.c_int64(tok_s), ctypes.c_float(scale), _p(out))  # fmt: skip
+        out = np.zeros((H * G, d), dtype=np.float32)
+        page, page_s, head_s, kv_s, tok_s = pp.args()
+        so.attend_f32(_p(q), _p(pp.pool), ctypes.c_int64(H), ctypes.c_int64(G), ctypes.c_int64(d), _p(pp.row),
+                      ctypes.c_int64(n), page, page_s, head_s, kv_s, tok_s, ctypes.c_float(scale), _p(out))  # fmt: skip
         err = float(np.abs(out - ref).max())
         assert err < 2e-5, (level, err)
 
@@ -128,38 +147,23 @@ def test_prefill_equals_float64_causal_softmax(
     prefill_paths: dict[str, ctypes.CDLL], d: int, first: int, length: int, hnd: bool
 ) -> None:
     rng = np.random.default_rng(d * 1000 + first * 10 + length)
-    h, g, page = 3, 3, 16
     s_len = first + length
-    pages = (s_len + page - 1) // page
-    pool_pages = pages + 3
-    shape = (pool_pages, h, 2, page, d) if hnd else (pool_pages, page, 2, h, d)
-    pool = rng.standard_normal(shape).astype(np.float32)
-    row = rng.permutation(pool_pages)[:pages].astype(np.int64)
-    q = (3 * rng.standard_normal((length, h * g, d))).astype(np.float32)
-    st = pool.strides
-    if hnd:
-        page_s, head_s, kv_s, tok_s = (x // 4 for x in (st[0], st[1], st[2], st[3]))
-    else:
-        page_s, tok_s, kv_s, head_s = (x // 4 for x in (st[0], st[1], st[2], st[3]))
+    pp = Pages.make(rng, s_len, d, hnd)
+    q = (3 * rng.standard_normal((length, H * G, d))).astype(np.float32)
     scale = 1.0 / np.sqrt(d)
-    tok = np.arange(s_len)
-    pg, slot = row[tok // page], tok % page
-    ref = np.empty((length, h * g, d))
-    for kh in range(h):
-        k = (pool[pg, kh, 0, slot] if hnd else pool[pg, slot, 0, kh]).astype(np.float64)
-        v = (pool[pg, kh, 1, slot] if hnd else pool[pg, slot, 1, kh]).astype(np.float64)
-        for j in range(g):
-            sc = q[:, kh * g + j].astype(np.float64) @ k.T * scale  # [length, s_len]
+    ref = np.empty((length, H * G, d))
+    for kh in range(H):
+        for j in range(G):
+            sc = q[:, kh * G + j].astype(np.float64) @ pp.k[kh].T * scale  # [length, s_len]
             sc[np.arange(s_len)[None, :] > first + np.arange(length)[:, None]] = -np.inf
             w = np.exp(sc - sc.max(axis=1, keepdims=True))
-            ref[:, kh * g + j] = (w / w.sum(axis=1, keepdims=True)) @ v
+            ref[:, kh * G + j] = (w / w.sum(axis=1, keepdims=True)) @ pp.v[kh]
     ran = 0
     for level, so in prefill_paths.items():
-        out = np.zeros((length, h * g, d), dtype=np.float32)
-        ok = so.prefill_f32(_p(q), _p(pool), _p(row), _p(out), ctypes.c_int64(length), ctypes.c_int64(first),
-                            ctypes.c_int64(h * g), ctypes.c_int64(h), ctypes.c_int64(d), ctypes.c_int64(page),
-                            ctypes.c_int64(page_s), ctypes.c_int64(head_s), ctypes.c_int64(kv_s),
-                            ctypes.c_int64(tok_s), ctypes.c_float(scale))  # fmt: skip
+        out = np.zeros((length, H * G, d), dtype=np.float32)
+        ok = so.prefill_f32(_p(q), _p(pp.pool), _p(pp.row), _p(out), ctypes.c_int64(length), ctypes.c_int64(first),
+                            ctypes.c_int64(H * G), ctypes.c_int64(H), ctypes.c_int64(d), *pp.args(),
+                            ctypes.c_float(scale))  # fmt: skip
         if not ok:
             assert so.prefill_path().decode() == "none", level
             continue
