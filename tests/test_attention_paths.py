@@ -14,7 +14,6 @@ softmax for chunks starting at the sequence's start and later, at and off its bl
 from __future__ import annotations
 
 import ctypes
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,23 +30,12 @@ PREFILL_EXPECTED = {"x86-64": "none", "x86-64-v3": "avx2"}
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
-    if shutil.which("g++") is None:
-        pytest.skip("no C++ compiler here (the engine then runs PyTorch ops)")
-    out = tmp_path_factory.mktemp("attn")
-    libs = compile_levels(SHIM, out)
-    for so in libs.values():
-        so.attn_path.restype = ctypes.c_char_p
-    return libs
+    return compile_levels(SHIM, tmp_path_factory.mktemp("attn"), "attn_path")
 
 
 @pytest.fixture(scope="module")
 def prefill_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
-    if shutil.which("g++") is None:
-        pytest.skip("no C++ compiler here (the engine then runs PyTorch ops)")
-    libs = compile_levels(PREFILL_SHIM, tmp_path_factory.mktemp("prefill"))
-    for so in libs.values():
-        so.prefill_path.restype = ctypes.c_char_p
-    return libs
+    return compile_levels(PREFILL_SHIM, tmp_path_factory.mktemp("prefill"), "prefill_path")
 
 
 H, G, PAGE = 3, 3, 16  # KV heads, query heads per KV head, page size

@@ -11,7 +11,6 @@ GEMM over the dequantised weight and the dequantised activations — and all agr
 from __future__ import annotations
 
 import ctypes
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +29,9 @@ KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
-    if shutil.which("g++") is None or cpu_kernels() is None:
-        pytest.skip("no C++ compiler here")
-    out = tmp_path_factory.mktemp("qgemm")
-    libs = compile_levels(SHIM, out)
-    for so in libs.values():
-        so.qgemm_path.restype = ctypes.c_char_p
-    return libs
+    if cpu_kernels() is None:
+        pytest.skip("the engine's kernels cannot be built here (no compiler)")
+    return compile_levels(SHIM, tmp_path_factory.mktemp("qgemm"), "qgemm_path")
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -37,7 +37,10 @@ _MARCH = ["native"]  # the instruction-set level this process builds and loads (
 
 
 def _flags(march: str) -> list[str]:
-    return [f if not f.startswith("-march") else f"-march={march}" for f in CFLAGS]
+    """CFLAGS for ``-march=march``: another level's instruction set is still tuned for this CPU."""
+    if march == "native":
+        return CFLAGS
+    return [f for f in CFLAGS if not f.startswith("-march")] + [f"-march={march}", "-mtune=native"]
 
 
 def build_dir(march: str = "native") -> Path:

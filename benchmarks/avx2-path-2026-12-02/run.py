@@ -16,38 +16,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-AVX2_BUILD = ROOT / "build" / "kernels-x86-64-v3"
 CONFIGS = {"native/auto": ("native", "auto"), "native/fp32": ("native", "float32"), "avx2/fp32": ("avx2", "float32")}
-
-
-def avx2_kernels() -> ModuleType:
-    """The kernel sources compiled for x86-64-v3 (AVX2 + FMA + F16C), tuned for this CPU."""
-    from torch.utils.cpp_extension import load
-
-    from torch_engine.kernels import CFLAGS, SOURCES
-
-    AVX2_BUILD.mkdir(parents=True, exist_ok=True)
-    flags = [f for f in CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-mtune=native"]
-    return load(name="disagg_cpu_kernels", sources=[str(p) for p in SOURCES], build_directory=str(AVX2_BUILD),
-                extra_cflags=flags, extra_ldflags=["-fopenmp"])  # fmt: skip
+LEVEL = "x86-64-v3"  # AVX2 + FMA + F16C, tuned for this CPU (torch_engine.kernels.use_march)
 
 
 def one(isa: str, dtype: str, threads: int, batches: list[int]) -> dict[str, object]:
     """Decode-step milliseconds per batch of one configuration (run in its own process)."""
-    import torch_engine.engine as te
     import torch_engine.kernels as tk
-    import torch_engine.loader as tl
-    import torch_engine.model_runner as tm
 
     if isa == "avx2":
-        mod = avx2_kernels()
-        for m in (tk, te, tl, tm):
-            m.cpu_kernels = lambda mod=mod: mod  # type: ignore[attr-defined]
+        tk.use_march(LEVEL)
     import argparse
 
     from bench import engine as be
@@ -73,8 +55,9 @@ def one(isa: str, dtype: str, threads: int, batches: list[int]) -> dict[str, obj
 
 def main(out: Path) -> None:
     from torch_engine.cpu import cpu_info
+    from torch_engine.kernels import build
 
-    avx2_kernels()  # built once, before any timing
+    build(march=LEVEL)  # built once, before any timing
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result: dict[str, object] = {"cpu": cpu_info().as_dict(), "when": when}
     for threads in (1, 2):

@@ -459,7 +459,7 @@ void attend_split(const float* qsplit, const uint16_t* qhl, const at::BFloat16* 
   std::fill(zeros, zeros + D, 0.0f);
   const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
   const at::BFloat16* base[CHUNK];
-  const int64_t window = touch_chunks(H, D, 2) * CHUNK;
+  const int64_t window = touch_chunks(H, D, static_cast<int64_t>(sizeof(at::BFloat16))) * CHUNK;
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
     if ((cs - t0) % window == 0)
       touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
