@@ -37,6 +37,7 @@ from tritonclient.grpc import InferenceServerException
 from frontend import upstream
 from frontend.cache_index import CacheIndex
 from frontend.config import GroupEndpoint, RouterSpec
+from serving.grpc_channel import aio_client
 from serving.names import Model
 from serving.node_config import GRPC_AUTH_HEADER
 
@@ -96,7 +97,7 @@ class GroupPool:
     def open(self) -> None:
         """gRPC clients for every group, bound to the running event loop."""
         for g in self.groups:
-            g.client = aioclient.InferenceServerClient(g.url)
+            g.client = aio_client(g.url)
 
     @property
     def ready(self) -> bool:

@@ -56,9 +56,9 @@ async def _demo(cfg: ClusterConfig, prepared: RunPlan, prompt: str, max_tokens: 
     if prepared.router_url is not None:
         model = served_model_name(cfg.router, cfg.model)
         return await chat_via_router(prepared.router_url, model, prompt, max_tokens, cfg.router.api_key, _show)
-    import tritonclient.grpc.aio as aioclient
+    from serving.grpc_channel import aio_client
 
-    client = aioclient.InferenceServerClient(f"{cfg.bind}:{prepared.leaders[0].ports.grpc}")
+    client = aio_client(f"{cfg.bind}:{prepared.leaders[0].ports.grpc}")
     try:
         return await generate(client, prompt, max_tokens, "demo", chat=True, on_piece=_show, key=prepared.secret)
     finally:

@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from kv_messenger.protocol import PrefillRequest
 from serving.codecs import PREFILL, encode_prefill, parse_load
+from serving.grpc_channel import sync_client
 from serving.names import Model, Tensor
 from serving.node_config import GRPC_AUTH_HEADER
 from serving.registry import GroupRecord
@@ -89,7 +90,7 @@ class PrefillCaller:
         self.group = group
         self.timeout_s = timeout_s
         self.replies = replies
-        self.client = grpcclient.InferenceServerClient(group.grpc_url)
+        self.client = sync_client(group.grpc_url)
         self.headers = {GRPC_AUTH_HEADER: auth_key} if auth_key else None  # prefill nodes restrict inference
 
     def call(self, req: PrefillRequest) -> None:

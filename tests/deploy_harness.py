@@ -12,12 +12,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import tritonclient.grpc.aio as aioclient
-
 from orchestrator.client import Completion, generate, generate_ids
 from orchestrator.cluster import ClusterConfig
 from orchestrator.launch import Launch, run_processes
 from orchestrator.triton import SHM_DIR, free_port, shm_prefix
+from serving.grpc_channel import aio_client
 
 
 def cluster(tmp: Path, **fields: object) -> ClusterConfig:
@@ -68,7 +67,7 @@ def run_ids(
     deployment's secret)."""
 
     async def go() -> list[Completion]:
-        client = aioclient.InferenceServerClient(url)
+        client = aio_client(url)
         try:
             jobs = [generate_ids(client, p, max_tokens, f"{tag}{i}", key=key) for i, p in enumerate(prompts)]
             return list(await asyncio.gather(*jobs))
@@ -82,7 +81,7 @@ def run_texts(url: str, prompts: list[str], max_tokens: int) -> list[Completion]
     """Concurrent streamed text requests to ``llm``."""
 
     async def go() -> list[Completion]:
-        client = aioclient.InferenceServerClient(url)
+        client = aio_client(url)
         try:
             return list(
                 await asyncio.gather(*(generate(client, p, max_tokens, f"t{i}") for i, p in enumerate(prompts)))

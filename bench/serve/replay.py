@@ -8,12 +8,12 @@ import asyncio
 import statistics
 import time
 
-import tritonclient.grpc.aio as aioclient
 from tqdm import tqdm
 
 from bench.serve.deploy import Frontend, Targets
 from bench.serve.workloads import BenchRequest
 from orchestrator.client import Completion, complete_via_router, generate
+from serving.grpc_channel import aio_client
 
 
 async def replay(
@@ -27,7 +27,7 @@ async def replay(
     """Send each request at its arrival time (round-robin over the targets); returns them and the wall time.
     ``tag`` is also every request's cache salt: a point never reuses the KV another point (or the idle
     baseline) cached for the same prompts — each point measures prefill, not the prefix cache."""
-    clients = [aioclient.InferenceServerClient(u) for u in to.urls] if to.frontend is Frontend.TRITON else []
+    clients = [aio_client(u) for u in to.urls] if to.frontend is Frontend.TRITON else []
     start = time.monotonic()
 
     async def send(i: int, req: BenchRequest, rid: str) -> Completion:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import tritonclient.grpc.aio as aioclient
-
 from builders import BuildOptions, build_engine
 from builders.build import DEFAULT_ENGINE_CACHE, default_engine_dir
 from orchestrator.client import chat_via_router, complete_via_router, generate
+from serving.grpc_channel import aio_client
 from torch_engine.config import DType, EngineConfig, Role
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -37,7 +36,7 @@ def reference() -> tuple[list[str], str]:
 
 async def served() -> tuple[str, list[str], list[str], str]:
     demo = await chat_via_router(ROUTER, "smollm2", "What is the capital of France? Answer in one sentence.", 32)
-    client = aioclient.InferenceServerClient(TRITON)
+    client = aio_client(TRITON)
     try:
         grpc = [await generate(client, p, N, f"image-{i}") for i, p in enumerate(TEXT)]
     finally:
