@@ -1,5 +1,6 @@
-"""The gRPC channel every Triton client of this project opens: the router's clients of its decode groups, a
-decode leader's clients of its prefill groups, the launcher's demo, the benchmark's and the tests' clients.
+"""The gRPC channel of the project's own Triton clients: the router's clients of its decode groups, a decode
+leader's clients of its prefill groups, the launcher's demo, `bench serve`'s and the deployment test harness's
+(tests that play a user's client open tritonclient's defaults, as a user would).
 
 tritonclient's own defaults (message size limits, keepalive), with subchannels of its own
 (``grpc.use_local_subchannel_pool``). By default gRPC shares one connection per address among all channels of
@@ -18,6 +19,7 @@ from tritonclient.grpc import KeepAliveOptions
 
 
 def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's default channel options (``InferenceServerClient``), plus a subchannel pool of its own."""
     keepalive = KeepAliveOptions()
     return [
         ("grpc.max_send_message_length", _MAX_MESSAGE),
