@@ -33,7 +33,7 @@ T = Tensor
 # scalar sampling inputs carried as is: tensor -> its SamplingParams field (left out at the field's default)
 SCALARS: tuple[tuple[Tensor, str], ...] = tuple((s.port.tensor, s.param) for s in SAMPLING if s.param is not None)
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
-DECODE, LLM, POST, PREFILL = (SIGNATURES[m] for m in (Model.DECODE, Model.LLM, Model.POSTPROCESSING, Model.PREFILL))
+DECODE, LLM, PREFILL = (SIGNATURES[m] for m in (Model.DECODE, Model.LLM, Model.PREFILL))
 
 
 # -- sampling (decode, llm, ensemble) ----------------------------------------------------------
@@ -204,9 +204,10 @@ class DecodePiece:
     logprobs: tuple[float, ...] = ()  # of the new tokens
     top_ids: tuple[tuple[int, ...], ...] = ()  # per new token, its top alternatives
     top_logprobs: tuple[tuple[float, ...], ...] = ()
-    stop_words: tuple[str, ...] = ()  # passed on to postprocessing
+    stop_words: tuple[str, ...] = ()  # the request's stop strings
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt: Scores = None  # the prompt tokens' (from the second), on the first piece, when asked for
+    text: str = ""  # the new text: the window's, cut at a stop string (``llm``'s text_output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ def prompt_scores(lps: tuple[TokenLogprobs | None, ...]) -> ScoreRows:
 def encode_piece(p: DecodePiece) -> Arrays:
     n, k = len(p.logprobs), len(p.top_ids[0]) if p.top_ids else 0
     values: dict[Tensor, object] = {
+        T.TEXT_OUTPUT: [p.text],
         T.OUTPUT_IDS: list(p.window),
         T.TEXT_SKIP: p.skip,
         T.SEQUENCE_LENGTH: p.generated,
@@ -260,13 +262,14 @@ def parse_piece(get: Getter, top_logprobs: int | None, prompt_top: int | None = 
         tuple(r.ints(T.OUTPUT_IDS)), r.integer(T.TEXT_SKIP) or 0, r.integer(T.SEQUENCE_LENGTH) or 0,
         r.text(T.FINISH_REASON) or "", cached=r.integer(T.CACHED_TOKENS) or 0,
         prompt=_scores(r, (T.PROMPT_LOG_PROBS, T.PROMPT_TOP_IDS, T.PROMPT_TOP_VALUES), prompt_top),
+        text="".join(r.texts(T.TEXT_OUTPUT)),
     )  # fmt: skip
     new = _scores(r, (T.OUTPUT_LOG_PROBS, T.TOP_LOGPROB_IDS, T.TOP_LOGPROB_VALUES), top_logprobs)
     if new is None:
         return piece
     return DecodePiece(
         piece.window, piece.skip, piece.generated, piece.finish_reason, new.logprobs, new.top_ids, new.top_logprobs,
-        cached=piece.cached, prompt=piece.prompt,
+        cached=piece.cached, prompt=piece.prompt, text=piece.text,
     )  # fmt: skip
 
 
@@ -303,27 +306,6 @@ def parse_text(get: Getter) -> tuple[str, bool]:
 
 def encode_ids(ids: list[int]) -> Arrays:
     return encode(SIGNATURES[Model.PREPROCESSING], {T.INPUT_IDS: ids}, outputs=True)
-
-
-# -- postprocessing ----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Window:
-    ids: list[int]
-    skip: int
-    stop_words: tuple[str, ...]
-    logprobs: list[float]
-
-
-def parse_window(get: Getter) -> Window:
-    r = Reader(get, POST.inputs)
-    skip = r.integer(T.TEXT_SKIP)
-    return Window(
-        r.ints(T.OUTPUT_IDS), skip or 0, tuple(s for s in r.texts(T.STOP_WORDS) if s), r.floats(T.OUTPUT_LOG_PROBS)
-    )
-
-
-def encode_text(text: str, logprobs: list[float]) -> Arrays:
-    return encode(POST, {T.TEXT_OUTPUT: [text], T.OUTPUT_LOG_PROBS: logprobs}, outputs=True)
 
 
 def parse_text_output(get: Getter) -> str:

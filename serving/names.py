@@ -16,10 +16,9 @@ OVERLOADED = "overloaded: "  # starts every error a node answers to shed load (t
 class Model(enum.StrEnum):
     """Models of the repository (``model_repo/``)."""
 
-    LLM = "llm"  # the client-facing ensemble: preprocessing -> decode -> postprocessing
+    LLM = "llm"  # the client-facing ensemble: preprocessing -> decode (which answers text_output too)
     PREPROCESSING = "preprocessing"
     DECODE = "decode"
-    POSTPROCESSING = "postprocessing"
     PREFILL = "prefill"  # prefill nodes
     ENSEMBLE = "ensemble"  # TensorRT-LLM's ensemble name and shapes (a batch dimension) over `llm`
 
@@ -29,7 +28,6 @@ class BackendRole(enum.StrEnum):
 
     PREPROCESSING = "preprocessing"
     DECODE = "decode"
-    POSTPROCESSING = "postprocessing"
     PREFILL = "prefill"
     BATCH_ADAPTER = "batch_adapter"
 

@@ -136,6 +136,7 @@ SIGNATURES: dict[Model, Signature] = {
             Port(T.KV_EVENTS_QUERY, WireType.BYTES),
         ),
         (
+            Port(T.TEXT_OUTPUT, WireType.BYTES, (-1,)),  # sent when asked for (`llm` asks; the router does not)
             Port(T.OUTPUT_IDS, WireType.INT32, (-1,), optional=False),
             Port(T.TEXT_SKIP, WireType.INT32, optional=False),
             Port(T.STOP_WORDS_OUT, WireType.BYTES, (-1,), optional=False),
@@ -150,16 +151,6 @@ SIGNATURES: dict[Model, Signature] = {
             Port(T.PROMPT_TOP_IDS, WireType.INT32, (-1, -1), optional=False),
             Port(T.PROMPT_TOP_VALUES, WireType.FP32, (-1, -1), optional=False),
         ),
-    ),
-    Model.POSTPROCESSING: Signature(
-        Model.POSTPROCESSING,
-        (
-            Port(T.OUTPUT_IDS, WireType.INT32, (-1,), optional=False),
-            Port(T.TEXT_SKIP, WireType.INT32, optional=False),
-            Port(T.STOP_WORDS, WireType.BYTES, (-1,)),
-            Port(T.OUTPUT_LOG_PROBS, WireType.FP32, (-1,)),
-        ),
-        (Port(T.TEXT_OUTPUT, WireType.BYTES, (-1,), optional=False), _LOGPROBS),
     ),
     Model.LLM: Signature(
         Model.LLM,

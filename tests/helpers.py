@@ -421,3 +421,19 @@ def metric(srv: TritonServer, name: str, labels: str = "") -> float:
         if line.startswith(name) and labels in line and not line.startswith("#"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name} {labels} not found")
+
+
+def settled_metric(srv: TritonServer, name: str, labels: str = "", timeout_s: float = 10.0) -> float:
+    """``metric`` once two reads 0.3 s apart agree: a decode node sends its per-token metrics every
+    100 ms from another thread than the engine's, so they lag its responses by up to that."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last = metric(srv, name, labels)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = metric(srv, name, labels)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"metric {name} {labels} did not settle within {timeout_s:.0f} s")

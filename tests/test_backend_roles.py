@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 import threading
@@ -15,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from serving.names import OVERLOADED, BackendRole, Tensor
+from serving.names import OVERLOADED, BackendRole, Model, Tensor
 from serving.node_config import NODE_CONFIG_ENV, NodeConfig, RequestLimits
 from serving.prefill_client import refusal
+from serving.wire import SIGNATURES
 from torch_engine.config import EngineConfig, SchedulerConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -48,9 +50,11 @@ class FakeResponse:
 class FakeMetric:
     def __init__(self, **_: object) -> None:
         self.values: list[float] = []
+        self.threads: set[str] = set()  # the threads that recorded a value (each call is a round trip in Triton)
 
     def observe(self, v: float) -> None:
         self.values.append(v)
+        self.threads.add(threading.current_thread().name)
 
     increment = set = observe
 
@@ -70,6 +74,7 @@ class FakeSender:
         self.sent: list[tuple[FakeResponse | None, int]] = []
         self.done = threading.Event()
         self.cancelled = False
+        self.asked_by: set[str] = set()  # the threads that asked whether the client went away
 
     def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
         self.sent.append((response, flags))
@@ -77,12 +82,17 @@ class FakeSender:
             self.done.set()
 
     def is_cancelled(self) -> bool:
+        self.asked_by.add(threading.current_thread().name)
         return self.cancelled
 
 
 class FakeRequest:
-    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "") -> None:
+    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", outputs: tuple[str, ...] = ()) -> None:
         self.inputs, self._id, self.sender = inputs, request_id, FakeSender()
+        self.outputs = outputs or tuple(p.tensor.value for p in SIGNATURES[Model.DECODE].outputs)  # Triton: all
+
+    def requested_output_names(self) -> list[str]:
+        return list(self.outputs)
 
     def request_id(self) -> str:
         return self._id
@@ -130,10 +140,11 @@ def _strings(*values: str) -> np.ndarray:
     return np.array([v.encode() for v in values], dtype=np.object_)
 
 
-def test_preprocessing_and_postprocessing_roles(backend, smollm2_dir: Path, tmp_path, monkeypatch) -> None:
+def test_preprocessing_role_and_the_text_decode_answers(backend, smollm2_dir: Path, tmp_path, monkeypatch) -> None:
+    """``llm`` is preprocessing -> decode: decode answers ``text_output`` (the engine loop's text, cut at a
+    stop string) and only the outputs a caller asks for."""
     node = NodeConfig(engine=EngineConfig(engine_dir=smollm2_dir))
     pre = _model(backend, BackendRole.PREPROCESSING, node, tmp_path, monkeypatch)
-    post = _model(backend, BackendRole.POSTPROCESSING, node, tmp_path, monkeypatch)
     ok, empty, missing = pre.execute(
         [FakeRequest({"text_input": _strings("Hello there")}), FakeRequest({"text_input": _strings("  ")}),
          FakeRequest({})]
@@ -142,11 +153,48 @@ def test_preprocessing_and_postprocessing_roles(backend, smollm2_dir: Path, tmp_
     assert ids and ok.error is None
     assert empty.error.message == "input text_input is empty"
     assert missing.error.message == "input text_input is missing"
-    (text,) = post.execute([FakeRequest({"output_ids": np.array(ids, np.int32), "text_skip": np.array([0], np.int32),
-                                         "stop_words": _strings("there")})])  # fmt: skip
-    assert text.tensors[Tensor.TEXT_OUTPUT][0].decode() == "Hello "  # the stop word cut the text
-    (bad,) = post.execute([FakeRequest({"text_skip": np.array([0], np.int32)})])
-    assert bad.error.message == "input output_ids is missing"
+    decode = _model(backend, BackendRole.DECODE, node, tmp_path, monkeypatch)
+    try:
+        prompt = np.array(ids, np.int32)
+        engine = LLMEngine(EngineConfig(engine_dir=smollm2_dir))
+        out = engine.generate([ids], SamplingParams(max_tokens=12))[0]
+        tok = engine.tokenizer
+        assert tok is not None
+        want = tok.decode(out)
+        # a stop string: one generated token's text, first found where that token starts (the text ends there)
+        stop = next(t for k in range(3, 12) if (t := tok.decode(out[k : k + 1])).strip()
+                    and want.find(t) == len(tok.decode(out[:k])))  # fmt: skip
+        llm = (Tensor.TEXT_OUTPUT.value, Tensor.OUTPUT_LOG_PROBS.value)
+        calls = [
+            FakeRequest(
+                {"input_ids": prompt, "max_tokens": np.array([12], np.int32), "stream": np.array([s])}, outputs=llm
+            )
+            for s in (True, False)
+        ] + [
+            FakeRequest(
+                {
+                    "input_ids": prompt,
+                    "max_tokens": np.array([12], np.int32),
+                    "stream": np.array([True]),
+                    "stop_words": _strings(stop),
+                },
+                outputs=llm,
+            ),
+            FakeRequest({"input_ids": prompt, "max_tokens": np.array([12], np.int32), "stream": np.array([True])}),
+        ]
+        decode.execute(calls)  # fmt: skip
+        for c in calls:
+            assert c.sender.done.wait(60)
+        streamed, whole, stopped, everything = (
+            [r for r, _ in c.sender.sent if r is not None and r.tensors] for c in calls
+        )
+        text = lambda rs: "".join(r.tensors[Tensor.TEXT_OUTPUT][0].decode() for r in rs)  # noqa: E731
+        assert text(streamed) == text(whole) == want and len(streamed) > 1 and len(whole) == 1
+        assert text(stopped) == want[: want.index(stop)]  # the stop string cut the text
+        assert all(set(r.tensors) == set(llm) for r in streamed + whole + stopped)  # only what was asked for
+        assert text(everything) == want and Tensor.OUTPUT_IDS.value in everything[0].tensors
+    finally:
+        decode.finalize()
 
 
 def test_decode_role_streams_the_engines_tokens(backend, tiny_engine_dir, tmp_path, monkeypatch) -> None:
@@ -179,6 +227,48 @@ def test_decode_role_streams_the_engines_tokens(backend, tiny_engine_dir, tmp_pa
         assert decode.role.loop.live() == 0  # nothing left behind
     finally:
         decode.finalize()
+
+
+def test_decode_role_keeps_metrics_and_cancellation_checks_off_the_engine_thread(
+    backend, smollm2_dir, tmp_path, monkeypatch
+) -> None:
+    """Recording a metric and asking a sender are round trips to Triton's server process: the engine
+    thread makes none (they cost ~1 ms a step at batch 8 on a one-core node). The watch thread sends
+    the per-token metrics (every token counted once) and aborts a cancelled stream; a gauge is sent a
+    value only when it changed."""
+    import time
+
+    node = NodeConfig(engine=EngineConfig(engine_dir=smollm2_dir, num_pages=256))  # streams need the tokenizer's text
+    decode = _model(backend, BackendRole.DECODE, node, tmp_path, monkeypatch)
+    prompt = np.array([504, 3458, 314, 260, 1929], np.int32)
+
+    def streamed(n: int) -> FakeRequest:
+        return FakeRequest({"input_ids": prompt, "max_tokens": np.array([n], np.int32), "stream": np.array([True]),
+                            "ignore_eos": np.array([True])})  # fmt: skip
+
+    try:
+        done, gone = streamed(12), streamed(2000)
+        decode.execute([done, gone])
+        deadline = time.monotonic() + 30
+        while not gone.sender.sent and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gone.sender.cancelled = True  # the client went away after its first piece
+        assert done.sender.done.wait(30) and gone.sender.done.wait(30)
+        assert gone.sender.sent[-1] == (None, FINAL) and len(gone.sender.sent) < 1000  # aborted, stream closed
+        assert decode.role.loop.live() == 0
+    finally:
+        decode.finalize()  # sends what the watch thread had not sent yet
+    m = decode.role.metrics
+    loop_thread = decode.role.loop.name
+    recorders = set().union(*(x.threads for x in (m.ttft, m.itl, m.generation_tokens, m.prompt_tokens)))
+    assert recorders and loop_thread not in recorders
+    assert loop_thread not in done.sender.asked_by | gone.sender.asked_by
+    generated = sum(m.generation_tokens.values)
+    assert generated >= 12 + 1 and len(m.ttft.values) == 2 and len(m.itl.values) == generated - 2
+    assert sum(m.prompt_tokens.values) == len(prompt)  # of the finished request (the cancelled one is not)
+    for gauge in (*m.pages.values(), *m.queue.values(), *m.records.values()):
+        values = gauge.metric.values
+        assert values and all(a != b for a, b in itertools.pairwise(values)), values
 
 
 def test_prefill_role_refuses_bad_calls(backend, tiny_engine_dir, tmp_path, monkeypatch) -> None:

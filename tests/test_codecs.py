@@ -136,27 +136,23 @@ def test_a_decode_piece_round_trips(k: int | None) -> None:
     piece = DecodePiece(
         (5, 6, 7), 1, 9, "length", (-0.5, -1.25),
         ((1, 2, 3)[:tops], (4, 5, 6)[:tops]), ((-0.5, -1.0, -2.0)[:tops], (-1.25, -2.0, -3.0)[:tops]), ("x",),
+        text="héllo",
     )  # fmt: skip
     arrays = codecs.encode_piece(piece)
     typed(Model.DECODE, arrays, outputs=True)
     back = codecs.parse_piece(getter(arrays), k)
     assert (back.window, back.skip, back.generated, back.finish_reason) == (piece.window, 1, 9, "length")
+    assert back.text == "héllo" == codecs.parse_text_output(getter(arrays))
     if k is not None:
         assert (back.logprobs, back.top_ids, back.top_logprobs) == (piece.logprobs, piece.top_ids, piece.top_logprobs)
 
 
-def test_prefill_and_postprocessing_round_trip() -> None:
+def test_prefill_round_trip() -> None:
     req = PrefillRequest(request_id="r", epoch=2, prompt_ids=[1, 2, 3], dst_pages=[4], decode_ranks=["d0"])
     arrays = codecs.encode_prefill(req)
     typed(Model.PREFILL, arrays)
     assert codecs.parse_prefill_call(getter(arrays)) == req
     assert codecs.parse_load(getter(codecs.encode_load(123))) == 123
-    window = {Tensor.OUTPUT_IDS: np.array([1, 2], np.int32), Tensor.TEXT_SKIP: np.array([1], np.int32)}
-    w = codecs.parse_window(getter(window))
-    assert (w.ids, w.skip, w.stop_words, w.logprobs) == ([1, 2], 1, (), [])
-    text = codecs.encode_text("héllo", [-0.5])
-    typed(Model.POSTPROCESSING, text, outputs=True)
-    assert codecs.parse_text_output(getter(text)) == "héllo"
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,6 @@ class TritonPythonModel:
         roles: dict[BackendRole, Callable[[NodeConfig], _Role]] = {
             BackendRole.PREPROCESSING: Preprocessing,
             BackendRole.DECODE: Decode,
-            BackendRole.POSTPROCESSING: Postprocessing,
             BackendRole.PREFILL: Prefill,
             BackendRole.BATCH_ADAPTER: BatchAdapter,
         }
@@ -125,18 +124,6 @@ class Preprocessing(_Role):
         return _response(codecs.encode_ids(self.tokenizer.encode(prompt, chat=chat)))
 
 
-class Postprocessing(_Role):
-    def __init__(self, node: NodeConfig) -> None:
-        self.tokenizer = Tokenizer(node.engine.engine_dir)
-
-    def convert(self, get: Getter) -> Response:
-        w = codecs.parse_window(get)
-        text = window_text(self.tokenizer, w.ids, w.skip)
-        for stop in w.stop_words:  # a stop string inside this piece ends the text there
-            text = text.split(stop, 1)[0]
-        return _response(codecs.encode_text(text, w.logprobs))  # log-probabilities passed through, as TRT-LLM
-
-
 class Prefill(_Role):
     """``handshake``: decode endpoints in, our endpoint out; ``prefill_request``: queue it, return the load."""
 
@@ -172,10 +159,10 @@ class Decode(_Role):
         self.loop.on_fatal = _exit_process
         self._ids = RequestIds(group_name(node.role, node.group))
         self._live: dict[str, set[str]] = {}  # client request id -> its live requests (for `stop`)
-        self._senders: dict[str, Any] = {}  # live request -> its response sender (cancellation watch)
+        self._responders: dict[str, _Responder] = {}  # live request -> its responder (the watch thread's)
         self._live_lock = threading.Lock()
         self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_cancellations, name="decode-cancel-watch", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="decode-watch", daemon=True)
         self._watcher.start()
 
     def execute(self, requests: list[Request]) -> None:
@@ -206,8 +193,9 @@ class Decode(_Role):
         if self.tracer is not None:
             self.tracer.mark(rid, "arrived", prompt_tokens=len(ids))
         responder = _Responder(sender, call.stream, self.loop, self.metrics, params.stop, self.tracer, echo)
+        responder.outputs = frozenset(request.requested_output_names())
         with self._live_lock:
-            self._senders[rid] = sender
+            self._responders[rid] = responder
             if client:
                 self._live.setdefault(client, set()).add(rid)
         responder.on_done = lambda: self._forget(client, rid)
@@ -231,27 +219,32 @@ class Decode(_Role):
 
     def _forget(self, client: str, rid: str) -> None:
         with self._live_lock:
-            self._senders.pop(rid, None)
+            self._responders.pop(rid, None)
             live = self._live.get(client)
             if live is not None:
                 live.discard(rid)
                 if not live:
                     del self._live[client]
 
-    def _watch_cancellations(self) -> None:
-        """A client that goes away before its first token (its KV still on the way) is noticed here,
-        not only at the request's next output: every 100 ms, cancelled live requests are aborted.
-        A sender is asked only under the lock that ``_forget`` takes before its final response is
-        sent: asking a response factory that Triton already released crashes the server."""
+    def _watch(self) -> None:
+        """Every 100 ms, off the engine thread (asking a sender and recording a metric are each a round
+        trip to the server process, which shares the node's core with the engine): cancelled live
+        requests are marked and aborted — before their first token too, their KV still on the way —
+        and the latency / token metrics gathered since are sent. A sender is asked only under the lock
+        that ``_forget`` takes before its final response is sent: asking a response factory that
+        Triton already released crashes the server."""
         while not self._closing.wait(0.1):
+            self.metrics.flush()
             with self._live_lock:
-                rids = list(self._senders)
+                rids = list(self._responders)
             for rid in rids:
                 with self._live_lock:
-                    sender = self._senders.get(rid)
-                    cancelled = sender is not None and sender.is_cancelled()
+                    responder = self._responders.get(rid)
+                    cancelled = responder is not None and responder.sender.is_cancelled()
                     if cancelled:
-                        del self._senders[rid]
+                        assert responder is not None
+                        responder.cancelled = True
+                        del self._responders[rid]
                 if cancelled:
                     self.loop.cancel(rid)
 
@@ -259,6 +252,7 @@ class Decode(_Role):
         self._closing.set()
         self._watcher.join(1.0)
         self.loop.stop()
+        self.metrics.flush()
 
 
 class BatchAdapter(_Role):
@@ -372,6 +366,22 @@ def _exit_process(exc: BaseException) -> None:
     os._exit(70)
 
 
+class _Gauge:
+    """A Triton gauge that is sent a value only when it changed: every ``set`` is a round trip from this
+    stub to the server process, which shares the node's core with the engine (ten a step cost ~1 ms)."""
+
+    __slots__ = ("metric", "value")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self.value: float | None = None
+
+    def set(self, value: float) -> None:
+        if value != self.value:
+            self.metric.set(value)
+            self.value = value
+
+
 class _NodeMetrics:
     """Pages, queues and per-request records of a node's loop (both roles), from its ``LoopReport``s."""
 
@@ -385,10 +395,10 @@ class _NodeMetrics:
         pages, queue, records = self._families
         self._labels = {"model": model.value}
         states = ("free", "used", "pinned", "cached")  # cached: of the free ones, keeping a prefix until needed
-        self.pages = {s: pages.Metric(labels=self._labels | {"state": s}) for s in states}
-        self.queue = {q: queue.Metric(labels=self._labels | {"queue": q}) for q in ("waiting", "running")}
+        self.pages = {s: _Gauge(pages.Metric(labels=self._labels | {"state": s})) for s in states}
+        self.queue = {q: _Gauge(queue.Metric(labels=self._labels | {"queue": q})) for q in ("waiting", "running")}
         self._records_family = records
-        self.records: dict[str, Any] = {}
+        self.records: dict[str, _Gauge] = {}
         self._drafts_family = fam(
             "disagg_draft_tokens_total", "Speculative draft tokens, proposed / accepted", fam.COUNTER
         )
@@ -434,15 +444,24 @@ class _NodeMetrics:
             self._prefills_seen = r.prefills
         for what, n in r.records.items():
             if what not in self.records:
-                self.records[what] = self._records_family.Metric(labels=self._labels | {"what": what})
+                self.records[what] = _Gauge(self._records_family.Metric(labels=self._labels | {"what": what}))
             self.records[what].set(n)
 
 
 class _Metrics(_NodeMetrics):
-    """Prometheus metrics next to Triton's own (served on its metrics port)."""
+    """Prometheus metrics next to Triton's own (served on its metrics port). The per-token ones are
+    gathered here by the engine thread (``tokens``, ``finished``) and sent by ``flush`` from another:
+    each ``observe`` / ``increment`` is a round trip to the server process (at batch 8, 16 a step took
+    ~1 ms of a ~13 ms step), so they lag by at most the flush interval."""
 
     def __init__(self) -> None:
         super().__init__(Model.LLM)
+        self._lock = threading.Lock()
+        self._ttfts: list[float] = []
+        self._gaps: list[float] = []
+        self._acceptances: list[float] = []
+        self._generated = 0
+        self._prompted = 0
         fam = pb_utils.MetricFamily
         buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
         self._latency = [
@@ -461,6 +480,35 @@ class _Metrics(_NodeMetrics):
         self.prompt_tokens = prompt.Metric(labels=model)
         self.generation_tokens = gen.Metric(labels=model)
         self.acceptance = acceptance.Metric(labels=model, buckets=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+
+    def tokens(self, n: int, wait_s: float, first: bool) -> None:
+        """``n`` tokens after ``wait_s``: the first's wait is the TTFT, a burst's tokens share the wait."""
+        with self._lock:
+            if first:
+                self._ttfts.append(wait_s)
+                self._gaps += [0.0] * (n - 1)
+            else:
+                self._gaps += [wait_s / n] * n
+            self._generated += n
+
+    def finished(self, prompt_tokens: int, drafts: tuple[int, int]) -> None:
+        with self._lock:
+            self._prompted += prompt_tokens
+            if drafts[0]:
+                self._acceptances.append(drafts[1] / drafts[0])
+
+    def flush(self) -> None:
+        with self._lock:
+            ttfts, gaps, acceptances = self._ttfts, self._gaps, self._acceptances
+            generated, prompted = self._generated, self._prompted
+            self._ttfts, self._gaps, self._acceptances, self._generated, self._prompted = [], [], [], 0, 0
+        for metric, values in ((self.ttft, ttfts), (self.itl, gaps), (self.acceptance, acceptances)):
+            for v in values:
+                metric.observe(v)
+        if generated:
+            self.generation_tokens.increment(generated)
+        if prompted:
+            self.prompt_tokens.increment(prompted)
 
 
 class _TransferMetrics:
@@ -496,6 +544,8 @@ class _Responder:
         echo: tuple[int, ...] = (),
     ) -> None:
         self.sender = sender
+        self.outputs: frozenset[str] = frozenset()  # the outputs the caller asked for (an ensemble: its map's)
+        self.cancelled = False  # the client went away (set by the node's watch thread)
         self.echo = echo  # prompt ids the (unstreamed) output starts with
         self.on_done: Callable[[], None] | None = None  # once the request has ended, however it ended
         self.tracer = tracer
@@ -513,7 +563,7 @@ class _Responder:
     def __call__(self, out: RequestOutput) -> None:
         if out.finished and self.on_done is not None:
             self.on_done()
-        if self.sender.is_cancelled():  # the client went away: stop, and only close the stream
+        if self.cancelled:  # the client went away: stop, and only close the stream
             if out.finished:
                 self._close_trace(out.request_id, "cancelled")
                 self.sender.send(flags=FINAL)  # Triton releases the request only once it is closed
@@ -553,9 +603,23 @@ class _Responder:
         piece = DecodePiece(
             window, skip, self.generated, reason, tuple(lp.logprob for lp in lps),
             tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop, out.cached_tokens,
-            prompt,
+            prompt, self._text(window, skip, out),
         )  # fmt: skip
-        self.sender.send(_response(codecs.encode_piece(piece)), flags=FINAL if out.finished else 0)
+        arrays = {t: a for t, a in codecs.encode_piece(piece).items() if t in self.outputs}
+        self.sender.send(_response(arrays), flags=FINAL if out.finished else 0)
+
+    def _text(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> str:
+        """``text_output``: the window's new text (``window_text``, the engine loop's own rule: a streamed
+        piece's is the loop's ``out.text``), cut at a stop string; a request answered at once decodes its
+        whole window. Only when asked for: clients of ``decode`` (the router) decode windows themselves."""
+        if Tensor.TEXT_OUTPUT not in self.outputs or self.loop.engine.tokenizer is None:
+            return ""
+        if self.stream and not (out.finished and self.stop):
+            return out.text
+        text = window_text(self.loop.engine.tokenizer, list(window), skip)
+        for stop in self.stop:  # a stop string inside this piece ends the text there
+            text = text.split(stop, 1)[0]
+        return text
 
     def _observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -572,17 +636,10 @@ class _Responder:
         n = len(out.new_token_ids)
         if n:  # per token: the tokens of a speculative burst share the wait before it
             dt = now - self.last
-            if self.first:
-                self.metrics.ttft.observe(dt)
-            gaps = [0.0] * (n - 1) if self.first else [dt / n] * n
-            for gap in gaps:
-                self.metrics.itl.observe(gap)
-            self.metrics.generation_tokens.increment(len(out.new_token_ids))
+            self.metrics.tokens(n, dt, self.first)
             self.first, self.last = False, now
         if out.finished:
-            self.metrics.prompt_tokens.increment(out.prompt_tokens)
-            if out.drafts[0]:
-                self.metrics.acceptance.observe(out.drafts[1] / out.drafts[0])
+            self.metrics.finished(out.prompt_tokens, out.drafts)
 
 
 def _error(message: str) -> Response:

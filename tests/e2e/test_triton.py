@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from orchestrator.triton import SHM_DIR, Ports, TritonError, TritonInstall, TritonServer
-from tests.helpers import metric
+from tests.helpers import metric, settled_metric
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
@@ -223,10 +223,10 @@ def test_port_in_use_and_missing_binary(server: TritonServer, tmp_path: Path) ->
 
 def test_metrics_are_published(server: TritonServer) -> None:
     assert http_generate(server, {"text_input": PROMPT, "max_tokens": 5})[0] == 200
-    assert metric(server, "disagg_time_to_first_token_seconds_count") >= 1
-    assert metric(server, "disagg_inter_token_latency_seconds_count") >= 4
-    assert metric(server, "disagg_generation_tokens_total") >= 5
-    assert metric(server, "disagg_prompt_tokens_total") >= 5
+    assert settled_metric(server, "disagg_time_to_first_token_seconds_count") >= 1
+    assert settled_metric(server, "disagg_inter_token_latency_seconds_count") >= 4
+    assert settled_metric(server, "disagg_generation_tokens_total") >= 5
+    assert settled_metric(server, "disagg_prompt_tokens_total") >= 5
     assert metric(server, "disagg_kv_pages", 'state="used"') == 0  # everything finished: pages back
     assert metric(server, "disagg_kv_pages", 'state="free"') == 256
     assert metric(server, "disagg_queue_depth", 'queue="running"') == 0
@@ -261,7 +261,7 @@ def test_cancelling_an_ensemble_request_stops_it_on_the_decode_model(server: Tri
     """The BLS call inside `ensemble` cannot be cancelled in this Triton: a `stop` request does it."""
     import time
 
-    generated = metric(server, "disagg_generation_tokens_total")
+    generated = settled_metric(server, "disagg_generation_tokens_total")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -276,7 +276,7 @@ def test_cancelling_an_ensemble_request_stops_it_on_the_decode_model(server: Tri
     while metric(server, "disagg_queue_depth", 'queue="running"') != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric(server, "disagg_kv_pages", 'state="used"') == 0
-    assert metric(server, "disagg_generation_tokens_total") - generated < 64  # stopped, not run to max_tokens
+    assert settled_metric(server, "disagg_generation_tokens_total") - generated < 64  # stopped, not run to max_tokens
     pieces, errors = grpc_stream(server, trtllm_inputs(PROMPT, stream=True), model="ensemble")
     assert not errors and pieces  # the node keeps serving
 
