@@ -34,6 +34,7 @@ def test_percentiles_and_point_summary() -> None:
     assert p.requests == 4 and p.errors == 1
     assert p.slo_attainment == 0.25  # only "a"; the error counts as a miss
     assert p.ttft_p50 == 0.5 and p.max_stall == pytest.approx(1.0)
+    assert p.stalled_share == pytest.approx(1 / 6)  # of 6 intervals, only c's 1 s is over 2 x the TPOT SLO
     assert p.throughput_tok_s == pytest.approx(0.9)  # 9 streamed pieces in 10 s
     assert p.tpot_p99 == pytest.approx(1.0)
 

@@ -298,7 +298,8 @@ def line(p: PointSummary) -> str:
     return (
         f"[bench] {p.workload:13s} {p.mode:13s} {p.rate:6.3f}/s  SLO {100 * p.slo_attainment:5.1f}%  "
         f"TTFT p50/p99 {ms(p.ttft_p50)}/{ms(p.ttft_p99)} ms  ITL p50/p99 {ms(p.itl_p50)}/{ms(p.itl_p99)} ms  "
-        f"stall {ms(p.max_stall)} ms  {p.throughput_tok_s:.1f} tok/s  errors {p.errors}  "
+        f"stall {ms(p.max_stall)} ms ({100 * p.stalled_share:.1f}% of ITLs)  {p.throughput_tok_s:.1f} tok/s  "
+        f"errors {p.errors}  "
         f"local prefills {p.local_prefills}  load generator {100 * p.loadgen_cpu:.0f}% of a core"
     )
 
