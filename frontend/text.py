@@ -1,6 +1,6 @@
 """Token windows -> text for one request, with stop strings cut exactly.
 
-``window_text`` is the rule the ``llm`` ensemble's postprocessing applies. A stop string may
+``window_text`` is the rule the engine loop applies (and ``decode``'s ``text_output``). A stop string may
 arrive split over several pieces, so text that could still be the start of one is held back
 until it cannot (or the request ends); the text returned never contains a stop string.
 """

@@ -71,6 +71,12 @@ class IncrementalDetokenizer:
         return delta
 
 
+def whole_text(tok: Tokenizer, ids: list[int]) -> str:
+    """All of ``ids``' text at once: a character the output stopped inside of is dropped, not the whole
+    text (``window_text`` holds everything back while the text ends mid-character)."""
+    return tok.decode(ids).rstrip("\ufffd")
+
+
 def window_text(tok: Tokenizer, ids: list[int], skip: int) -> str:
     """New text of ``ids`` past its first ``skip`` tokens, or "" while it ends mid-character.
 

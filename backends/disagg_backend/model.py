@@ -53,7 +53,7 @@ from serving.trace import Tracer
 from serving.wire import Arrays, Getter
 from torch_engine.request import FinishReason, RequestOutput
 from torch_engine.sampling import InvalidRequestError, TokenLogprobs
-from torch_engine.tokenizer import Tokenizer, window_text
+from torch_engine.tokenizer import Tokenizer, whole_text, window_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 Request = Any  # pb_utils.InferenceRequest (the stub's own type, not importable for annotations)
@@ -234,7 +234,10 @@ class Decode(_Role):
         that ``_forget`` takes before its final response is sent: asking a response factory that
         Triton already released crashes the server."""
         while not self._closing.wait(0.1):
-            self.metrics.flush()
+            try:
+                self.metrics.flush()
+            except Exception:  # Triton's own error types: the metrics lose this batch, cancellations go on
+                log.exception("sending the node's metrics failed")
             with self._live_lock:
                 rids = list(self._responders)
             for rid in rids:
@@ -611,12 +614,14 @@ class _Responder:
     def _text(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> str:
         """``text_output``: the window's new text (``window_text``, the engine loop's own rule: a streamed
         piece's is the loop's ``out.text``), cut at a stop string; a request answered at once decodes its
-        whole window. Only when asked for: clients of ``decode`` (the router) decode windows themselves."""
-        if Tensor.TEXT_OUTPUT not in self.outputs or self.loop.engine.tokenizer is None:
+        whole window (``whole_text``: a character it stopped inside of is dropped, not all of its text).
+        Only when asked for: clients of ``decode`` (the router) decode windows themselves."""
+        tok = self.loop.engine.tokenizer
+        if Tensor.TEXT_OUTPUT not in self.outputs or tok is None:
             return ""
         if self.stream and not (out.finished and self.stop):
             return out.text
-        text = window_text(self.loop.engine.tokenizer, list(window), skip)
+        text = window_text(tok, list(window), skip) if self.stream else whole_text(tok, list(window))
         for stop in self.stop:  # a stop string inside this piece ends the text there
             text = text.split(stop, 1)[0]
         return text
