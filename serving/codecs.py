@@ -4,8 +4,8 @@ responses). Every problem a client can cause is an ``InvalidRequestError`` namin
 
 - ``decode``: ``DecodeCall`` (token ids, ``SamplingParams``, stream, echo) / a ``stop`` control call;
   responses ``DecodePiece`` (a token window, counts, finish reason, log-probabilities).
-- ``llm`` / ``ensemble``: text + the same sampling inputs (``encode_llm``); preprocessing reads the text.
-- ``postprocessing``: a token window -> text.
+- ``llm`` / ``ensemble``: text + the same sampling inputs (``encode_llm``); preprocessing reads the text,
+  ``decode`` answers ``text_output`` when asked.
 - ``prefill``: a ``PrefillRequest`` or a handshake in, the load or an endpoint out.
 
 Sampling inputs are declared once, in ``wire.SAMPLING``: the tensor, its type, the
@@ -17,6 +17,7 @@ test holds to the contract); encoding and parsing follow from it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -204,7 +205,6 @@ class DecodePiece:
     logprobs: tuple[float, ...] = ()  # of the new tokens
     top_ids: tuple[tuple[int, ...], ...] = ()  # per new token, its top alternatives
     top_logprobs: tuple[tuple[float, ...], ...] = ()
-    stop_words: tuple[str, ...] = ()  # the request's stop strings
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt: Scores = None  # the prompt tokens' (from the second), on the first piece, when asked for
     text: str = ""  # the new text: the window's, cut at a stop string (``llm``'s text_output)
@@ -230,28 +230,29 @@ def prompt_scores(lps: tuple[TokenLogprobs | None, ...]) -> ScoreRows:
     )
 
 
-def encode_piece(p: DecodePiece) -> Arrays:
+def encode_piece(p: DecodePiece, asked: Collection[str] | None = None) -> Arrays:
+    """A piece's arrays: only the outputs in ``asked`` (a request's ``requested_output_names``; None: all)."""
     n, k = len(p.logprobs), len(p.top_ids[0]) if p.top_ids else 0
-    values: dict[Tensor, object] = {
-        T.TEXT_OUTPUT: [p.text],
-        T.OUTPUT_IDS: list(p.window),
-        T.TEXT_SKIP: p.skip,
-        T.SEQUENCE_LENGTH: p.generated,
-        T.CACHED_TOKENS: p.cached,
-        T.FINISH_REASON: p.finish_reason,
-        T.OUTPUT_LOG_PROBS: list(p.logprobs),
-    }
-    out = encode(DECODE, values, outputs=True)
-    out[T.TOP_LOGPROB_IDS] = np.array(p.top_ids, dtype=np.int32).reshape(n, k)
-    out[T.TOP_LOGPROB_VALUES] = np.array(p.top_logprobs, dtype=np.float32).reshape(n, k)
     s = p.prompt or ScoreRows((), (), ())
     m, j = len(s.logprobs), len(s.top_ids[0]) if s.top_ids else 0
-    out[T.PROMPT_LOG_PROBS] = np.array(s.logprobs, dtype=np.float32)
-    out[T.PROMPT_TOP_IDS] = np.array(s.top_ids, dtype=np.int32).reshape(m, j)
-    out[T.PROMPT_TOP_VALUES] = np.array(s.top_logprobs, dtype=np.float32).reshape(m, j)
-    if p.stop_words:
-        out |= encode(DECODE, {T.STOP_WORDS_OUT: list(p.stop_words)}, outputs=True)
-    return out
+    build: dict[Tensor, Callable[[], object]] = {
+        T.TEXT_OUTPUT: lambda: [p.text],
+        T.OUTPUT_IDS: lambda: list(p.window),
+        T.TEXT_SKIP: lambda: p.skip,
+        T.SEQUENCE_LENGTH: lambda: p.generated,
+        T.CACHED_TOKENS: lambda: p.cached,
+        T.FINISH_REASON: lambda: p.finish_reason,
+        T.OUTPUT_LOG_PROBS: lambda: list(p.logprobs),
+    }
+    arrays: dict[Tensor, Callable[[], np.ndarray]] = {  # set as they are (the port's own shape)
+        T.PROMPT_LOG_PROBS: lambda: np.array(s.logprobs, dtype=np.float32),
+        T.TOP_LOGPROB_IDS: lambda: np.array(p.top_ids, dtype=np.int32).reshape(n, k),
+        T.TOP_LOGPROB_VALUES: lambda: np.array(p.top_logprobs, dtype=np.float32).reshape(n, k),
+        T.PROMPT_TOP_IDS: lambda: np.array(s.top_ids, dtype=np.int32).reshape(m, j),
+        T.PROMPT_TOP_VALUES: lambda: np.array(s.top_logprobs, dtype=np.float32).reshape(m, j),
+    }
+    out = encode(DECODE, {t: f() for t, f in build.items() if asked is None or t in asked}, outputs=True)
+    return out | {t: f() for t, f in arrays.items() if asked is None or t in asked}
 
 
 def parse_piece(get: Getter, top_logprobs: int | None, prompt_top: int | None = None) -> DecodePiece:

@@ -82,7 +82,6 @@ class Tensor(enum.StrEnum):
     PROMPT_TOP_IDS = "prompt_top_logprob_ids"  # [prompt tokens - 1, prompt_logprobs]
     PROMPT_TOP_VALUES = "prompt_top_logprob_values"
     TEXT_SKIP = "text_skip"
-    STOP_WORDS_OUT = "stop_words_out"
     # postprocessing / llm
     TEXT_OUTPUT = "text_output"
     # prefill

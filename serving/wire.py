@@ -139,7 +139,6 @@ SIGNATURES: dict[Model, Signature] = {
             Port(T.TEXT_OUTPUT, WireType.BYTES, (-1,)),  # sent when asked for (`llm` asks; the router does not)
             Port(T.OUTPUT_IDS, WireType.INT32, (-1,), optional=False),
             Port(T.TEXT_SKIP, WireType.INT32, optional=False),
-            Port(T.STOP_WORDS_OUT, WireType.BYTES, (-1,), optional=False),
             Port(T.SEQUENCE_LENGTH, WireType.INT32, optional=False),
             Port(T.CACHED_TOKENS, WireType.INT32, optional=False),
             Port(T.FINISH_REASON, WireType.BYTES, optional=False),

@@ -135,7 +135,7 @@ def test_a_decode_piece_round_trips(k: int | None) -> None:
     tops = 3 if k is None else k
     piece = DecodePiece(
         (5, 6, 7), 1, 9, "length", (-0.5, -1.25),
-        ((1, 2, 3)[:tops], (4, 5, 6)[:tops]), ((-0.5, -1.0, -2.0)[:tops], (-1.25, -2.0, -3.0)[:tops]), ("x",),
+        ((1, 2, 3)[:tops], (4, 5, 6)[:tops]), ((-0.5, -1.0, -2.0)[:tops], (-1.25, -2.0, -3.0)[:tops]),
         text="héllo",
     )  # fmt: skip
     arrays = codecs.encode_piece(piece)
@@ -145,6 +145,9 @@ def test_a_decode_piece_round_trips(k: int | None) -> None:
     assert back.text == "héllo" == codecs.parse_text_output(getter(arrays))
     if k is not None:
         assert (back.logprobs, back.top_ids, back.top_logprobs) == (piece.logprobs, piece.top_ids, piece.top_logprobs)
+    asked = {Tensor.OUTPUT_IDS, Tensor.TOP_LOGPROB_IDS}  # a caller's requested_output_names: only those built
+    only = codecs.encode_piece(piece, {t.value for t in asked})
+    assert set(only) == asked and all(only[t].tolist() == arrays[t].tolist() for t in asked)
 
 
 def test_prefill_round_trip() -> None:

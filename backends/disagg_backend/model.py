@@ -605,10 +605,10 @@ class _Responder:
         prompt, self.prompt = self.prompt, None
         piece = DecodePiece(
             window, skip, self.generated, reason, tuple(lp.logprob for lp in lps),
-            tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), self.stop, out.cached_tokens,
-            prompt, self._text(window, skip, out),
+            tuple(lp.top_ids for lp in lps), tuple(lp.top_logprobs for lp in lps), out.cached_tokens, prompt,
+            self._text(window, skip, out),
         )  # fmt: skip
-        arrays = {t: a for t, a in codecs.encode_piece(piece).items() if t in self.outputs}
+        arrays = codecs.encode_piece(piece, self.outputs)
         self.sender.send(_response(arrays), flags=FINAL if out.finished else 0)
 
     def _text(self, window: tuple[int, ...], skip: int, out: RequestOutput) -> str:
