@@ -22,6 +22,7 @@ from builders import BuildOptions, build_engine
 from tests.helpers import make_tiny_checkpoint
 from torch_engine.config import DType, EngineConfig, EngineManifest, KVLayout
 from torch_engine.engine import LLMEngine
+from torch_engine.fused_step import DENSE_F32_ROWS
 from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
@@ -218,10 +219,10 @@ def test_the_engine_picks_the_fused_step_where_it_applies(
 
     assert "fused-step" in engine(quantized[("qwen3", QuantKind.Q8_0)]).kernel_path
     assert "fused-step" in engine(smollm2_dir).kernel_path  # the embedded GGUF, as stored
-    dense = tiny_engine_dir("llama")  # dense weights in fp32: the eager model
-    assert "fused-step" not in engine(dense, dtype="float32").kernel_path
-    with pytest.raises(ValueError, match="GEMM weights neither kept as stored nor dense bf16"):
-        engine(dense, dtype="float32", fused_decode=True)
+    dense = tiny_engine_dir("llama")  # dense weights in fp32: the fused step up to DENSE_F32_ROWS rows
+    assert "fused-step" in engine(dense, dtype="float32").kernel_path
+    with pytest.raises(ValueError, match="MLA"):  # a model it cannot run, required: a clear error
+        engine(tiny_engine_dir("deepseek_v3"), dtype="float32", fused_decode=True)
     if kernels.gemm_bf16_supported():  # type: ignore[attr-defined]
         assert "fused-step" in engine(dense, dtype="bfloat16").kernel_path  # dense bf16: where the CPU has the dot
     assert "fused-step" not in engine(quantized[("qwen3", QuantKind.Q8_0)], fused_decode=False).kernel_path
@@ -274,3 +275,45 @@ def test_dense_bf16_whole_model_distributions_agree(dense: dict[str, Path]) -> N
     """Every layer, 21 rows (the GEMM's 8-row passes and a remainder), 8 steps: KL and top token."""
     p = _pair(dense["qwen2"], dtype=torch.bfloat16)
     _assert_distributions_agree(p, [1 + (i * 7) % 13 for i in range(21)], 8)
+
+
+@pytest.fixture(scope="module")
+def dense32(tmp_path_factory: pytest.TempPathFactory, kernels: object) -> dict[str, Path]:
+    """Tiny random checkpoints built dense, for the fp32 engine (any CPU: ``f32gemm.h`` over the model's own
+    weights)."""
+    root = tmp_path_factory.mktemp("fused-dense32")
+    out: dict[str, Path] = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
+        out[kind] = build_engine(str(folder), root / f"{kind}-e", BuildOptions(dtype=DType.FLOAT32, page_size=4),
+                                 progress=False)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_dense_fp32_matches_the_eager_model(dense32: dict[str, Path], kind: str) -> None:
+    """Dense fp32 weights: no rounding on either path (the fused step sums in another order), so one layer's
+    logits agree to 1e-4 of their spread and the whole model's distributions to a KL of 1e-9, over 1 to 8
+    rows a step (the GEMM's row passes and their remainders); K / V in the pages as close."""
+    p = _pair(dense32[kind], layers=1)
+    for eager, fused in _teacher_forced(p, [1, 3, 4, 9, 17, 2, 6, 5], 6, 256):
+        assert float((eager - fused).abs().max()) < 1e-4 * float(eager.std())
+    for a, b in zip(p.eager.kv.pools[:1], p.fused.kv.pools[:1], strict=True):
+        assert float((a - b).abs().max()) < 1e-5 * float(a.abs().max())
+    assert p.fused.fused is not None and p.fused.fused.steps == 6
+    p = _pair(dense32[kind])
+    for lengths in ([4], [2, 9, 1], [1 + (i * 7) % 13 for i in range(7)]):
+        for eager, fused in _teacher_forced(p, lengths, 3, 256):
+            assert float(_kl(eager, fused).max()) < 1e-9
+            assert torch.equal(eager.argmax(-1), fused.argmax(-1))
+
+
+def test_dense_fp32_steps_past_the_row_limit_run_eager(dense32: dict[str, Path]) -> None:
+    """More rows than ``DENSE_F32_ROWS``: the step runs on the eager model (oneDNN's GEMMs win there)."""
+    p = _pair(dense32["llama"])
+    f = p.fused.fused
+    assert f is not None and f.max_rows == DENSE_F32_ROWS
+    _teacher_forced(p, [3] * DENSE_F32_ROWS, 2, 256)
+    assert f.steps == 2
+    _teacher_forced(p, [3] * (DENSE_F32_ROWS + 1), 2, 256)
+    assert f.steps == 2

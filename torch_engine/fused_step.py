@@ -9,12 +9,14 @@ after it stay where they are (one call each).
 
 Which models: Llama-family GQA (``LlamaAttention`` + ``GatedMLP``: Llama, SmolLM2, Mistral-style, Qwen2
 biases, Qwen3 q/k norms), TP 1, every layer GEMM kept as stored (``Linear.quant``: the GGUF's Q4_0 /
-Q4_1 / Q8_0) or every one dense bf16 packed for ``vdpbf16ps`` (``Linear.vnni``: an HF checkpoint's weights
-in the bf16 engine of a CPU with AVX-512 BF16), rotary over the whole head, CPU. Which steps: decode-only
+Q4_1 / Q8_0), or every one dense bf16 packed for ``vdpbf16ps`` (``Linear.vnni``: an HF checkpoint's weights
+in the bf16 engine of a CPU with AVX-512 BF16), or every one dense fp32 (the fp32 engine of an HF checkpoint,
+an AVX2 CPU's ``auto``: the model's own weights, no copy), rotary over the whole head, CPU. Which steps: decode-only
 (``StepInputs.decode_only``). Anything else runs the eager model. Numerics: activations and the residual
 stream in fp32 (the eager model keeps them in the engine's dtype), K / V stored in the pool's dtype; each
-GEMM's input rounded to int8 blocks (packed weights: the eager path's kernel) or to bf16 (dense: the eager
-path's ``vdpbf16ps`` product), so the two paths differ only in where they round.
+GEMM's input rounded to int8 blocks (packed weights: the eager path's kernel), to bf16 (dense bf16: the
+eager path's ``vdpbf16ps`` product) or not at all (dense fp32), so the two paths differ only in where they
+round.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from torch_engine.parallel import TPGroup
 
 _NONE = torch.empty(0)
 DENSE = -1  # ``decode_step.cpp``'s kind of a dense bf16 weight (``bf16gemm.h``)
+DENSE_F32 = -2  # of a dense fp32 weight (``f32gemm.h``)
+# Dense fp32 steps of more rows go to the eager model: there oneDNN's blocked GEMMs beat f32gemm.h's dot
+# products over the unpacked weight (SmolLM2 at one thread, AVX-512 Zen 4: the fused step 1.4-1.9x the eager
+# one at 1 row, about even at 8, 0.8-0.9x at 16; BENCHMARKS.md)
+DENSE_F32_ROWS = 8
 
 
 def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.device) -> str | None:
@@ -44,18 +51,19 @@ def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.
         return "MLA or a KV dtype other than fp32 / bf16"
     if model.rotary_dim != model.cfg.head_dim:
         return "a partial rotary embedding"
-    kinds: set[bool] = set()  # dense or not, per GEMM
+    kinds: set[int] = set()  # how each GEMM's weight is held
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.attn, layer.mlp
         if not isinstance(attn, LlamaAttention) or type(mlp) is not GatedMLP:
             return f"layers of {type(attn).__name__} / {type(mlp).__name__}"
         for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
-            if lin.quant is None and lin.vnni is None:
-                return "GEMM weights neither kept as stored nor dense bf16 packed for AVX-512 BF16"
-            kinds.add(lin.quant is None)
+            kind = _kind(lin)
+            if kind is None:
+                return "GEMM weights neither kept as stored, nor dense bf16 packed for AVX-512 BF16, nor dense fp32"
+            kinds.add(kind)
     if len(kinds) > 1:
-        return "GEMM weights partly kept as stored, partly dense"
+        return "GEMM weights held in more than one way (kept as stored, dense bf16, dense fp32)"
     return None
 
 
@@ -68,6 +76,7 @@ class FusedStep:
         cfg, spec = model.cfg, kv.spec
         first, mlp0 = model.layers[0].attn, model.layers[0].mlp
         assert isinstance(first, LlamaAttention) and isinstance(mlp0, GatedMLP)
+        first_lin = first.qkv
         strides = kv.strides()  # every layer's pool has the same shape
         self._dtype = spec.dtype
         self._embed = model.embed
@@ -83,10 +92,16 @@ class FusedStep:
             norms = [layer.attn_norm.weight, layer.mlp_norm.weight, _norm(attn.q_norm), _norm(attn.k_norm)]
             lins = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
             self._step.add_layer(
-                [n.detach() for n in norms], [_parts(lin) for lin in lins], [_kind(lin) for lin in lins],
+                [n.detach() for n in norms], [_parts(lin) for lin in lins], [_held(lin) for lin in lins],
                 [lin.out_features for lin in lins], kv.pools[i],
             )  # fmt: skip
         self.steps = 0  # decode steps served (tests, metrics)
+        dense32 = _kind(first_lin) == DENSE_F32
+        self.max_rows: int | None = DENSE_F32_ROWS if dense32 else None  # None: any step
+
+    def takes(self, rows: int) -> bool:
+        """Whether a decode-only step of ``rows`` rows runs here (else on the eager model)."""
+        return self.max_rows is None or rows <= self.max_rows
 
     @torch.inference_mode()
     def run(
@@ -107,11 +122,25 @@ def _norm(n: RMSNorm | None) -> torch.Tensor:
 def _parts(lin: Linear) -> list[torch.Tensor]:
     bias = lin.bias.detach() if lin.bias is not None else _NONE
     q = lin.quant
-    if q is None:
-        assert lin.vnni is not None
+    if q is not None:
+        return [q.qs, q.d, q.m, bias]
+    if lin.vnni is not None:
         return [lin.vnni, _NONE, _NONE, bias]
-    return [q.qs, q.d, q.m, bias]
+    return [lin.weight.detach(), _NONE, _NONE, bias]
 
 
-def _kind(lin: Linear) -> int:
-    return int(lin.quant.kind) if lin.quant is not None else DENSE
+def _held(lin: Linear) -> int:
+    kind = _kind(lin)
+    assert kind is not None, "why_not_fused() passed this model"
+    return kind
+
+
+def _kind(lin: Linear) -> int | None:
+    """``decode_step.cpp``'s kind of this GEMM's weight; None where it has no compiled GEMM."""
+    if lin.quant is not None:
+        return int(lin.quant.kind)
+    if lin.vnni is not None:
+        return DENSE
+    w = lin.weight
+    fits = w is not None and w.dtype == torch.float32 and w.is_contiguous() and lin.out_features % 16 == 0
+    return DENSE_F32 if fits and lin.in_features % 32 == 0 else None

@@ -153,7 +153,7 @@ class ModelRunner:
         f = self.fused
         if s.prefills:
             f = g = None
-        if f is not None and tables is not None and lens is not None and s.decode_only:
+        if f is not None and tables is not None and lens is not None and s.decode_only and f.takes(len(s.input_ids)):
             hidden = f.run(s.input_ids, s.positions, tables, lens)
         elif g is not None and tables is not None and lens is not None and g.eligible(len(s.input_ids), False):
             hidden = g.run(s.input_ids, s.positions, tables, lens)

@@ -7,9 +7,11 @@
 // paged attention over the sequence (attention.h) -> quantize -> O, added to the residual -> the layer's
 // progress counter bumped -> RMSNorm -> quantize -> gate_up -> SiLU(gate) * up, quantized -> down, added to
 // the residual. Then the final RMSNorm. The residual stream and every activation are fp32; K / V are stored
-// in the pool's dtype (fp32 or bf16). Dense weights instead (every GEMM of the model; CPUs with AVX-512 BF16):
-// each GEMM's input rows are rounded to bf16 where the others are quantized, and the GEMM is bf16gemm.h's over
-// the weight packed for vdpbf16ps (gemm_bf16.cpp's layout).
+// in the pool's dtype (fp32 or bf16). Dense weights instead (every GEMM of the model held one way): bf16 ones
+// (CPUs with AVX-512 BF16) take each GEMM's input rows rounded to bf16 where the others are quantized, and
+// bf16gemm.h's GEMM over the weight packed for vdpbf16ps (gemm_bf16.cpp's layout); fp32 ones (any CPU: an
+// fp32 engine of an HF checkpoint, an AVX2 CPU's `auto`) take the rows as they are and f32gemm.h's GEMM over
+// the model's own [N, K] weight.
 //
 // Threads: one OpenMP parallel region for the whole step (at::get_num_threads() threads). GEMMs split their
 // groups of 16 outputs, attention its (row, KV head) jobs, norms and quantization their rows or blocks;
@@ -19,7 +21,8 @@
 //   FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, page_size, strides [page, head, kv,
 //                token], cos [positions, head_dim / 2], sin, final_norm [hidden], counts [layers] int64)
 //   add_layer(norms [attn, mlp, q_norm or empty, k_norm or empty], linears 4 x [qs16, d16, m16, bias]
-//             (dense: [packed [N/16, K/2, 16, 2] bf16, -, -, bias]), kinds [4] (dense: -1), outputs [4], pool)
+//             (dense bf16: [packed [N/16, K/2, 16, 2], -, -, bias], fp32: [W [N, K], -, -, bias]),
+//             kinds [4] (dense bf16: -1, fp32: -2), outputs [4], pool)
 //                                                                 (qkv, o, gate_up, down)
 //   run(h [B, hidden], positions [B], page_table [B, M], kv_lens [B]) -> [B, hidden] fp32
 
@@ -34,6 +37,7 @@
 
 #include "attention.h"
 #include "bf16gemm.h"
+#include "f32gemm.h"
 #include "qgemm.h"
 
 namespace {
@@ -49,9 +53,13 @@ using disagg_q::share;
 // sequence's own length only, so its result depends neither on the thread count nor on the batch.
 inline int64_t part_chunks(int64_t chunks) { return std::clamp<int64_t>(chunks / 8, 2, 8); }
 
+// How a model's GEMM weights are held (every GEMM of a step the same way).
+enum class Weights { PACKED, BF16, F32 };
+
 struct Lin {
   Q16 w;                                 // N and K set for dense weights too
   const at::BFloat16* dense = nullptr;   // a dense weight packed for vdpbf16ps (else w holds the integer one)
+  const float* dense32 = nullptr;        // a dense fp32 weight as the model holds it, [N, K]
   std::vector<torch::Tensor> keep;       // the tensors w / dense point into
   const float* bias = nullptr;
 };
@@ -160,9 +168,11 @@ class FusedDecoder {
       TORCH_CHECK(outputs[i] == want_n[i], "linear ", i, " has ", outputs[i], " outputs, not ", want_n[i]);
       *dst[i] = make_lin(kinds[i], linears[i], outputs[i]);
       TORCH_CHECK(dst[i]->w.K == want_k[i], "linear ", i, " takes ", dst[i]->w.K, " inputs, not ", want_k[i]);
-      const bool dense = dst[i]->dense != nullptr;
-      TORCH_CHECK(layers_.empty() && i == 0 ? true : dense == dense_, "every GEMM weight dense or every one packed");
-      dense_ = dense;
+      const Weights held = dst[i]->dense != nullptr ? Weights::BF16 : dst[i]->dense32 != nullptr ? Weights::F32
+                                                                                                  : Weights::PACKED;
+      TORCH_CHECK(layers_.empty() && i == 0 ? true : held == weights_,
+                  "every GEMM weight held one way: packed as stored, dense bf16 or dense fp32");
+      weights_ = held;
     }
     TORCH_CHECK(pool.is_contiguous() && (pool.scalar_type() == torch::kFloat || pool.scalar_type() == torch::kBFloat16),
                 "the KV pool must be contiguous fp32 or bf16");
@@ -206,6 +216,7 @@ class FusedDecoder {
  private:
   static Lin make_lin(int64_t kind, const std::vector<torch::Tensor>& t, int64_t N) {
     if (kind == disagg_bf16::DENSE) return make_dense(t, N);
+    if (kind == disagg_f32::DENSE_F32) return make_dense_f32(t, N);
     TORCH_CHECK(kind == disagg_q::Q4_0 || kind == disagg_q::Q4_1 || kind == disagg_q::Q8_0, "unknown quant kind ", kind);
     const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
     TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
@@ -244,6 +255,20 @@ class FusedDecoder {
     return l;
   }
 
+  static Lin make_dense_f32(const std::vector<torch::Tensor>& t, int64_t N) {
+    const torch::Tensor& w = t[0];
+    TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(0) == N &&
+                    N % 16 == 0 && w.size(1) % BLOCK == 0,
+                "a dense fp32 weight must be contiguous [N, K], N a multiple of 16 and K of 32");
+    Lin l;
+    l.w.N = N;
+    l.w.K = w.size(1);
+    l.dense32 = w.data_ptr<float>();
+    l.keep = {w};
+    add_bias(l, t[3], N);
+    return l;
+  }
+
   static void add_bias(Lin& l, const torch::Tensor& bias, int64_t N) {
     if (bias.defined() && bias.numel() > 0) {
       TORCH_CHECK(bias.numel() == N, "bias must be [N]");
@@ -264,7 +289,9 @@ class FusedDecoder {
     torch::Tensor adx = torch::empty({B * widest / BLOCK}, f32);
     torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
     torch::Tensor adxs = torch::empty({B * widest / BLOCK}, f32);
-    torch::Tensor abf = torch::empty({dense_ ? B * widest : 0}, torch::TensorOptions().dtype(torch::kBFloat16));
+    const Weights held = weights_;
+    torch::Tensor abf = torch::empty({held == Weights::BF16 ? B * widest : 0}, torch::TensorOptions().dtype(torch::kBFloat16));
+    torch::Tensor af = torch::empty({held == Weights::F32 ? B * widest : 0}, f32);
     out_ = torch::empty({B, H}, f32);
     float *x = x_.data_ptr<float>(), *xnp = xn.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(),
           *attp = att.data_ptr<float>(), *gup = gu.data_ptr<float>(), *midp = mid.data_ptr<float>(),
@@ -274,6 +301,7 @@ class FusedDecoder {
     int32_t* sq = as.data_ptr<int32_t>();
     float* dxs = adxs.data_ptr<float>();
     at::BFloat16* xb = abf.data_ptr<at::BFloat16>();
+    float* xf = af.data_ptr<float>();
     auto act = [&](int64_t K) {
       ActQ8 a;
       a.q = q8;
@@ -283,20 +311,23 @@ class FusedDecoder {
       a.K = K;
       return a;
     };
-    const bool dense = dense_;
-    // one 32-block (index k) of row r of a GEMM's K-wide input, made the GEMM's activations: quantized, or
-    // rounded to bf16 for a dense weight
+    // one 32-block (index k) of row r of a GEMM's K-wide input, made the GEMM's activations: quantized,
+    // rounded to bf16 for a dense bf16 weight, as is for a dense fp32 one
     auto prep = [&](const float* src, int64_t r, int64_t K, int64_t blk, int64_t k) {
-      if (dense) {
+      if (held == Weights::BF16) {
         at::BFloat16* o = xb + r * K + blk * BLOCK;
         for (int64_t i = 0; i < BLOCK; ++i) o[i] = static_cast<at::BFloat16>(src[i]);
+      } else if (held == Weights::F32) {
+        std::copy(src, src + BLOCK, xf + r * K + blk * BLOCK);
       } else {
         disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k);
       }
     };
     auto gemm = [&](const Lin& l, int64_t g0, int64_t g1, float* y, int64_t ldy, bool accumulate) {
-      if (dense)
+      if (held == Weights::BF16)
         disagg_bf16::gemm_groups(l.dense, l.w.K, xb, B, g0, g1, y, ldy, l.bias, accumulate);
+      else if (held == Weights::F32)
+        disagg_f32::gemm_groups(l.dense32, l.w.K, xf, B, g0, g1, y, ldy, l.bias, accumulate);
       else
         disagg_q::gemm_groups(l.w, act(l.w.K), B, g0, g1, y, ldy, l.bias, accumulate);
     };
@@ -501,7 +532,7 @@ class FusedDecoder {
 
   int64_t H_, HQ_, HKV_, D_, I_;
   float eps_;
-  bool dense_ = false;  // every GEMM weight dense bf16 (else every one packed as stored)
+  Weights weights_ = Weights::PACKED;  // how every GEMM weight of the model is held
   int64_t P_, page_stride_ = 0, head_stride_ = 0, kv_stride_ = 0, token_stride_ = 0;
   torch::Tensor cos_, sin_, final_norm_, counts_, x_, out_;
   std::vector<Layer> layers_;
