@@ -22,7 +22,7 @@ from builders import BuildOptions, build_engine
 from tests.helpers import make_tiny_checkpoint
 from torch_engine.config import DType, EngineConfig, EngineManifest, KVLayout
 from torch_engine.engine import LLMEngine
-from torch_engine.fused_step import DENSE_F32_ROWS
+from torch_engine.fused_step import DENSE_F32_ROWS, why_not_fused
 from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
@@ -227,6 +227,22 @@ def test_the_engine_picks_the_fused_step_where_it_applies(
         assert "fused-step" in engine(dense, dtype="bfloat16").kernel_path  # dense bf16: where the CPU has the dot
     assert "fused-step" not in engine(quantized[("qwen3", QuantKind.Q8_0)], fused_decode=False).kernel_path
     assert "fused-step" not in engine(smollm2_dir, fast_cpu=False).kernel_path  # the reference path
+
+
+def test_packed_gemms_of_different_quant_kinds_run_fused(
+    kernels: object, quantized: dict, dense32: dict[str, Path]
+) -> None:
+    """A GGUF mixes quant kinds (a Q4_K_M file becomes Q4_1 and Q8_0): packed weights of any kinds go
+    together; packed beside dense does not."""
+    a = _runner(quantized[("llama", QuantKind.Q4_1)], False, KVLayout.HND, 4)
+    b = _runner(quantized[("llama", QuantKind.Q8_0)], False, KVLayout.HND, 4)
+    a.model.layers[0].mlp.down = b.model.layers[0].mlp.down
+    assert why_not_fused(a.model, a.kv, TPGroup.single(), CPU) is None
+    a.use_fused_step(True)
+    assert a.fused is not None
+    c = _runner(dense32["llama"], False, KVLayout.HND, 4)
+    a.model.layers[1].mlp.down = c.model.layers[1].mlp.down
+    assert "more than one way" in str(why_not_fused(a.model, a.kv, TPGroup.single(), CPU))
 
 
 def test_engine_tokens_follow_the_eager_engine(kernels: object, quantized: dict) -> None:

@@ -61,7 +61,7 @@ def why_not_fused(model: CausalLM, kv: PagedKVCache, tp: TPGroup, device: torch.
             kind = _kind(lin)
             if kind is None:
                 return "GEMM weights neither kept as stored, nor dense bf16 packed for AVX-512 BF16, nor dense fp32"
-            kinds.add(kind)
+            kinds.add(min(kind, 0))  # the way it is held: packed (any quant kind, >= 0), dense bf16, dense fp32
     if len(kinds) > 1:
         return "GEMM weights held in more than one way (kept as stored, dense bf16, dense fp32)"
     return None
