@@ -26,9 +26,11 @@ from torch_engine.fused_step import DENSE_F32_ROWS, why_not_fused
 from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
+from torch_engine.layers import GatedMLP
 from torch_engine.loader import load_weights, prepare_cpu_path
 from torch_engine.model_runner import ModelRunner
 from torch_engine.models import cache_spec
+from torch_engine.models.decoder import DecoderLayer
 from torch_engine.parallel import TPGroup
 from torch_engine.quant import QuantKind
 from torch_engine.sampling import SamplingParams
@@ -229,6 +231,12 @@ def test_the_engine_picks_the_fused_step_where_it_applies(
     assert "fused-step" not in engine(smollm2_dir, fast_cpu=False).kernel_path  # the reference path
 
 
+def _mlp(r: ModelRunner, i: int) -> GatedMLP:
+    layer = r.model.layers[i]
+    assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, GatedMLP)
+    return layer.mlp
+
+
 def test_packed_gemms_of_different_quant_kinds_run_fused(
     kernels: object, quantized: dict, dense32: dict[str, Path]
 ) -> None:
@@ -236,12 +244,12 @@ def test_packed_gemms_of_different_quant_kinds_run_fused(
     together; packed beside dense does not."""
     a = _runner(quantized[("llama", QuantKind.Q4_1)], False, KVLayout.HND, 4)
     b = _runner(quantized[("llama", QuantKind.Q8_0)], False, KVLayout.HND, 4)
-    a.model.layers[0].mlp.down = b.model.layers[0].mlp.down
+    _mlp(a, 0).down = _mlp(b, 0).down
     assert why_not_fused(a.model, a.kv, TPGroup.single(), CPU) is None
     a.use_fused_step(True)
     assert a.fused is not None
     c = _runner(dense32["llama"], False, KVLayout.HND, 4)
-    a.model.layers[1].mlp.down = c.model.layers[1].mlp.down
+    _mlp(a, 1).down = _mlp(c, 1).down
     assert "more than one way" in str(why_not_fused(a.model, a.kv, TPGroup.single(), CPU))
 
 
