@@ -169,6 +169,24 @@ def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) 
     return t1 - t0, t2 - t1
 
 
+def decode_step_ms(engine: LLMEngine, batch: int) -> float:
+    """Mean decode-step milliseconds of ``batch`` requests of 256 random prompt tokens (seeded by the batch),
+    32 decode steps each, counted from the step after every request has its first token (prefill chunked
+    over steps as the engine's budget allows)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=33, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(100, 40000, (256,), generator=g).tolist(), params) for _ in range(batch)]
+    while not all(engine.request(i).output_ids for i in ids):
+        engine.step()
+    t0, n = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        n += 1
+    for i in ids:
+        engine.retire(i)
+    return (time.perf_counter() - t0) / n * 1000
+
+
 def run(a: argparse.Namespace) -> int:
     if a.profile is not None:
         return run_profile(a)

@@ -273,7 +273,11 @@ def dense(tmp_path_factory: pytest.TempPathFactory, kernels: object) -> dict[str
     the weights packed for ``vdpbf16ps``, which needs AVX-512 BF16."""
     if not kernels.gemm_bf16_supported():  # type: ignore[attr-defined]
         pytest.skip("no AVX-512 BF16 here: dense weights stay on the eager model")
-    root = tmp_path_factory.mktemp("fused-dense")
+    return _dense_engines(tmp_path_factory.mktemp("fused-dense"))
+
+
+def _dense_engines(root: Path) -> dict[str, Path]:
+    """Tiny random checkpoints (drawn biases) of each kind, built dense."""
     out: dict[str, Path] = {}
     for kind in ("llama", "qwen2", "qwen3"):
         folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
@@ -305,13 +309,7 @@ def test_dense_bf16_whole_model_distributions_agree(dense: dict[str, Path]) -> N
 def dense32(tmp_path_factory: pytest.TempPathFactory, kernels: object) -> dict[str, Path]:
     """Tiny random checkpoints built dense, for the fp32 engine (any CPU: ``f32gemm.h`` over the model's own
     weights)."""
-    root = tmp_path_factory.mktemp("fused-dense32")
-    out: dict[str, Path] = {}
-    for kind in ("llama", "qwen2", "qwen3"):
-        folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
-        out[kind] = build_engine(str(folder), root / f"{kind}-e", BuildOptions(dtype=DType.FLOAT32, page_size=4),
-                                 progress=False)  # fmt: skip
-    return out
+    return _dense_engines(tmp_path_factory.mktemp("fused-dense32"))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

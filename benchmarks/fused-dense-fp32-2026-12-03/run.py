@@ -6,7 +6,7 @@ and on, alternated (which goes first alternates too), medians of 5 and the media
 AVX2 CPU's speed).
 
 Run from the repository root:
-``.venv/bin/python benchmarks/fused-dense-fp32-2026-12-03/bench.py OUT.json [--march x86-64-v3]``.
+``.venv/bin/python benchmarks/fused-dense-fp32-2026-12-03/run.py OUT.json [--march x86-64-v3]``.
 """
 
 from __future__ import annotations
@@ -20,29 +20,13 @@ from pathlib import Path
 import torch
 
 import torch_engine.kernels as tk
+from bench.engine import decode_step_ms
 from builders import BuildOptions, build_engine
 from torch_engine.config import DType, EngineConfig, PrefixCacheConfig, WeightStorage
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
-from torch_engine.sampling import SamplingParams
 
 ENGINE = Path("/tmp/dense-fp32/engine")
-
-
-def step_ms(engine: LLMEngine, batch: int) -> float:
-    """Mean decode-step time of ``batch`` requests (256 random prompt tokens each, 32 decode steps)."""
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=33, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(100, 40000, (256,), generator=g).tolist(), params) for _ in range(batch)]
-    while not all(engine.request(i).output_ids for i in ids):
-        engine.step()
-    t0, n = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        n += 1
-    for i in ids:
-        engine.retire(i)
-    return (time.perf_counter() - t0) / n * 1000
 
 
 def main() -> None:
@@ -74,7 +58,7 @@ def main() -> None:
             runs: dict[bool, list[float]] = {False: [], True: []}
             for i in range(5):
                 for fused in (False, True) if i % 2 == 0 else (True, False):
-                    runs[fused].append(step_ms(engines[fused], batch))
+                    runs[fused].append(decode_step_ms(engines[fused], batch))
             eager, fused_ms = statistics.median(runs[False]), statistics.median(runs[True])
             pairs = statistics.median(e / f for e, f in zip(runs[False], runs[True], strict=True))
             result[f"{threads}t b{batch}"] = {
