@@ -9,7 +9,7 @@ as-stored`` (the default) each 2-D tensor in such a format becomes one of the en
   with q in 0..15 and 6-bit sc, m: a Q4_1 block with scale ``d * sc`` and minimum ``-dmin * m``. The
   quants are kept; Q4_1 stores scale and minimum in fp16, so those two products are rounded to fp16
   (each within 2^-11 of itself relatively): the only error.
-- **Q5_0 -> Q8_0**, exact: ``d * (q - 16)`` with q - 16 in -16..15 is a Q8_0 block as it stands.
+- Q5_0 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
 - **Every other quantized format** gguf can dequantise (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, the IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 _K = GGMLQuantizationType
 _Q4_K_BYTES = 144  # d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of 4-bit quants
-_Q5_0_BYTES = 22  # d (fp16), 4 bytes of high bits, 16 bytes of low nibbles
 _DENSE = {_K.F32, _K.F16, _K.BF16, _K.F64, _K.I8, _K.I16, _K.I32, _K.I64}
 
 
@@ -59,8 +58,6 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
     if qtype is _K.Q4_K:
         packed = _q4_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q4_K_BYTES), n, k)
-    elif qtype is _K.Q5_0:
-        packed = _q5_0(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q5_0_BYTES), exact)
     else:
         packed = quantize_tensor(exact, QuantKind.Q8_0)
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
@@ -99,26 +96,18 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _q5_0(blocks: np.ndarray, exact: torch.Tensor) -> Packed:
-    n, k = exact.shape
-    d16 = blocks[:, 0:2].copy().view(np.float16).reshape(n, k // BLOCK)
-    d = torch.from_numpy(d16.astype(np.float32)).reshape(n, k // BLOCK, 1)
-    # the dequantised weight is d * (q - 16) computed exactly in fp32, so dividing by d gives q - 16 back
-    q = torch.where(d != 0, exact.reshape(n, k // BLOCK, BLOCK) / torch.where(d != 0, d, 1.0), 0.0)
-    return Packed(QuantKind.Q8_0, q.round().to(torch.int8).reshape(n, k), torch.from_numpy(d16.copy()))
-
-
 # ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------
-# llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K).
+# llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K; SmolLM2's:
+# attn_v in Q8_0 in some layers, q / k in Q5_0).
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
-_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q8_0: 2}  # the finer format wins
+_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q5_0: 2, QuantKind.Q8_0: 3}  # the finer format wins
 
 
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
     """``ck`` with the members of each fused group in one format: all packed ones in the finest format
-    among them (Q4_0 -> Q4_1 and Q4_0 -> Q8_0 exactly; Q4_1 -> Q8_0 requantized, the error recorded in
-    ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    among them (Q4_0 -> Q4_1 / Q5_0 / Q8_0 and Q5_0 -> Q8_0 exactly; Q4_1 -> Q5_0 / Q8_0 requantized, the
+    error recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):
@@ -148,8 +137,29 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
     n, k = w.shape
     if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q4_1 and bool((w.d.abs() < 8000).all()):
         return Packed(kind, w.qs, w.d, -8 * w.d)  # d (q - 8) = d q + (-8 d): exact in fp16
-    if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q8_0:  # q - 8 in -8..7 with the same scale: exact
-        raw = w.qs.reshape(n, k // BLOCK, BLOCK // 2)
-        q = torch.cat((raw & 0x0F, raw >> 4), dim=2).to(torch.int8) - 8
-        return Packed(kind, q.reshape(n, k), w.d)
+    if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q5_0:  # q - 8 = (q + 8) - 16 with the same scale: exact
+        return _q5_0(w.d, _quants(w) + 8)
+    if w.kind in (QuantKind.Q4_0, QuantKind.Q5_0) and kind is QuantKind.Q8_0:  # the same scale: exact
+        offset = 8 if w.kind is QuantKind.Q4_0 else 16
+        return Packed(kind, (_quants(w).to(torch.int16) - offset).to(torch.int8).reshape(n, k), w.d)
     return quantize_tensor(w.dequantize(), kind)
+
+
+def _quants(w: Packed) -> torch.Tensor:
+    """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8; Q5_0's 5th bits included)."""
+    n, k = w.shape
+    raw = w.qs.reshape(n, k // BLOCK, BLOCK // 2)
+    q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
+    if w.h is not None:
+        bits = w.h.reshape(n, k // BLOCK, 4, 1) >> torch.arange(8, dtype=torch.uint8)
+        q = q | ((bits & 1).reshape(n, k // BLOCK, BLOCK) << 4)
+    return q
+
+
+def _q5_0(d: torch.Tensor, q: torch.Tensor) -> Packed:
+    """Quants ``[N, K / 32, 32]`` in 0..31 and their scales -> a Q5_0 weight."""
+    n, nb, _ = q.shape
+    qs = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+    h = ((q >> 4).to(torch.int32).reshape(n, nb, 4, 8) * weights).sum(dim=3).to(torch.uint8)
+    return Packed(QuantKind.Q5_0, qs.reshape(n, nb * 16).contiguous(), d, None, h.reshape(n, nb * 4))

@@ -55,7 +55,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, Quant
     out: dict[tuple[str, QuantKind], Path] = {}
     for kind in ("llama", "qwen2", "qwen3"):
         folder, _ = make_tiny_checkpoint(kind, root / kind, random_biases=True)
-        for q in (QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0):
+        for q in QuantKind:
             opts = BuildOptions(dtype=DType.FLOAT32, page_size=4, quantize=q)
             out[(kind, q)] = build_engine(str(folder), root / f"{kind}-{q.name}", opts, progress=False)
     return out
@@ -139,7 +139,7 @@ def _assert_distributions_agree(p: Pair, lengths: list[int], steps: int) -> None
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("quant", [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0])
+@pytest.mark.parametrize("quant", list(QuantKind))
 def test_one_layer_matches_the_eager_layer(kernels: object, quantized: dict, kind: str, quant: QuantKind) -> None:
     """One layer, 5 sequences (prompts across page boundaries), 10 teacher-forced steps: the logits agree
     to a small fraction of their spread, and so do the K / V the fused step wrote."""

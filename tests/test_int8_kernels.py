@@ -24,7 +24,7 @@ from torch_engine.kernels import cpu_kernels
 from torch_engine.quant import QuantKind, from_gguf_blocks, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
+KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q8_0]
 
 
 @pytest.fixture(scope="module")

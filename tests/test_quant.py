@@ -33,7 +33,7 @@ from torch_engine.layers import Linear
 from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, group, narrow
 from torch_engine.sampling import SamplingParams
 
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q8_0]
+KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q8_0]
 
 
 def _packed(kind: QuantKind, n: int, k: int, seed: int = 0) -> tuple[Packed, np.ndarray]:
@@ -254,3 +254,19 @@ def test_the_precise_gemm_also_multiplies_the_rounding_residual(kind: QuantKind)
     head.precise = True
     near = (head(x[:2]).double() - (x[:2].double() @ w.T)).abs().max()  # two rows: precise
     assert float(near) < float(bound[:2].max()) / 50
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantKind) -> None:
+    """Column cuts (TP's row-parallel split), row cuts and stacks (q, k, v -> qkv) carry every part of the
+    packed form (Q4_1's minimums, Q5_0's 5th bits) along."""
+    p, _ = _packed(kind, 8, 128, seed=3)
+    dense = p.dequantize()
+    cols = narrow(p, 1, 32, 64)
+    assert isinstance(cols, Packed) and torch.equal(cols.dequantize(), dense[:, 32:96])
+    rows = narrow(p, 0, 2, 3)
+    assert isinstance(rows, Packed) and torch.equal(rows.dequantize(), dense[2:5])
+    both = cat_rows([p, rows])
+    assert isinstance(both, Packed) and torch.equal(both.dequantize(), torch.cat([dense, dense[2:5]]))
+    state = p.tensors("w")
+    assert torch.equal(Packed.from_tensors(kind, "w", state).dequantize(), dense) and not state

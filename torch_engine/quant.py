@@ -2,16 +2,18 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
-``Q8_0``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each for
-the kernels, and plain tensors for safetensors):
+``Q8_0``, ``Q5_0``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each
+for the kernels, and plain tensors for safetensors):
 
-- ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (Q4: byte j of a block holds
-  element j in its low nibble and element j + 16 in its high one, GGUF's order);
+- ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (Q4 / Q5: byte j of a block holds
+  element j's low 4 bits in its low nibble and element j + 16's in its high one, GGUF's order);
 - ``d``: each block's scale, ``[N, K / 32]`` float16;
-- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 only).
+- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 only);
+- ``h``: the 5th bits, ``[N, K / 8]`` uint8 (Q5_0 only: a block's 4 bytes, bit e of them element e's, GGUF's
+  little-endian ``qh``).
 
-Element values: Q8_0 ``d * q``, Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, computed in fp32 exactly as
-``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
+Element values: Q8_0 ``d * q``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, computed in
+fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
 and scales with 16 output rows interleaved, the layout of the integer kernels
@@ -39,20 +41,22 @@ class QuantKind(enum.IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
     Q8_0 = 8
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one 32-element block in a GGUF file (scale, [minimum,] quants)."""
-        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q8_0: 34}[self]
+        """Bytes of one 32-element block in a GGUF file (scale, [minimum or 5th bits,] quants)."""
+        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q8_0: 34}[self]
 
     @property
     def has_min(self) -> bool:
         return self is QuantKind.Q4_1
 
     @property
-    def bits(self) -> int:
-        return 8 if self is QuantKind.Q8_0 else 4
+    def has_high(self) -> bool:
+        """Whether a 5th bit per weight is stored apart (``Packed.h``)."""
+        return self is QuantKind.Q5_0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class Packed:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    h: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -73,10 +78,11 @@ class Packed:
         return sum(t.numel() * t.element_size() for t in self.parts())
 
     def parts(self) -> list[torch.Tensor]:
-        return [self.qs, self.d] if self.m is None else [self.qs, self.d, self.m]
+        return [t for t in (self.qs, self.d, self.m, self.h) if t is not None]
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Packed:
-        return Packed(self.kind, fn(self.qs), fn(self.d), None if self.m is None else fn(self.m))
+        m, h = (None if t is None else fn(t) for t in (self.m, self.h))
+        return Packed(self.kind, fn(self.qs), fn(self.d), m, h)
 
     def rows(self, index: torch.Tensor | slice) -> Packed:
         """The rows ``index`` (a slice, or a tensor of row numbers: a permutation, a gather)."""
@@ -90,12 +96,13 @@ class Packed:
                 f"not [{start}, {start + length})"
             )
         per_q = 1 if self.kind is QuantKind.Q8_0 else 2
-        return Packed(
-            self.kind,
-            self.qs[:, start // per_q : (start + length) // per_q].clone(),
-            self.d[:, start // BLOCK : (start + length) // BLOCK].clone(),
-            None if self.m is None else self.m[:, start // BLOCK : (start + length) // BLOCK].clone(),
-        )
+
+        def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
+            return None if t is None else t[:, start // per : (start + length) // per].clone()
+
+        qs, d = cut(self.qs, per_q), cut(self.d, BLOCK)
+        assert qs is not None and d is not None
+        return Packed(self.kind, qs, d, cut(self.m, BLOCK), cut(self.h, 8))
 
     def contiguous(self) -> Packed:
         return self._map(lambda t: t.contiguous())
@@ -110,7 +117,11 @@ class Packed:
         else:
             raw = self.qs.reshape(n, nb, BLOCK // 2)
             q = torch.cat((raw & 0x0F, raw >> 4), dim=2).float()
-            if self.kind is QuantKind.Q4_0:
+            if self.kind is QuantKind.Q5_0:
+                assert self.h is not None
+                bits = self.h.reshape(n, nb, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=self.h.device)
+                w = d * (q + (bits & 1).reshape(n, nb, BLOCK).float() * 16 - 16)
+            elif self.kind is QuantKind.Q4_0:
                 w = d * (q - 8)
             else:
                 assert self.m is not None
@@ -122,13 +133,16 @@ class Packed:
         out = {f"{name}.qs": self.qs, f"{name}.d": self.d}
         if self.m is not None:
             out[f"{name}.m"] = self.m
+        if self.h is not None:
+            out[f"{name}.h"] = self.h
         return out
 
     @classmethod
     def from_tensors(cls, kind: QuantKind, name: str, state: dict[str, torch.Tensor]) -> Packed:
         """The weight ``name`` out of a loaded state dict (its entries are removed from it)."""
         m = state.pop(f"{name}.m") if kind.has_min else None
-        return cls(kind, state.pop(f"{name}.qs"), state.pop(f"{name}.d"), m)
+        h = state.pop(f"{name}.h") if kind.has_high else None
+        return cls(kind, state.pop(f"{name}.qs"), state.pop(f"{name}.d"), m, h)
 
 
 def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -> Packed:
@@ -142,10 +156,11 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
     if kind is QuantKind.Q8_0:
         qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).reshape(n, k)
         return Packed(kind, qs, d)
-    first = 4 if kind.has_min else 2
+    first = 6 if kind.has_high else (4 if kind.has_min else 2)
     qs = torch.from_numpy(blocks[:, :, first:].copy()).reshape(n, k // 2)
     m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)).reshape(n, k // BLOCK) if kind.has_min else None
-    return Packed(kind, qs, d, m)
+    h = torch.from_numpy(blocks[:, :, 2:6].copy()).reshape(n, k // 8) if kind.has_high else None
+    return Packed(kind, qs, d, m, h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +206,8 @@ def group(p: Packed, kernels: ModuleType) -> Grouped:
     """``p`` repacked for the integer kernels (done once, at load)."""
     n, k = p.shape
     m = p.m if p.m is not None else torch.empty(0, dtype=torch.float16)
-    qs, d, mm = kernels.repack_q16(int(p.kind), p.qs.contiguous(), p.d.contiguous(), m.contiguous())
+    h = p.h if p.h is not None else torch.empty(0, dtype=torch.uint8)
+    qs, d, mm = kernels.repack_q16(int(p.kind), p.qs.contiguous(), p.d.contiguous(), m.contiguous(), h.contiguous())
     return Grouped(p.kind, n, k, qs, d, mm)
 
 
@@ -215,4 +231,5 @@ def cat_rows(ws: Sequence[Weight]) -> Weight:
         raise ValueError(f"cannot fuse weights stored differently ({sorted(k.name for k in kinds)} and dense)")
     kind = kinds.pop()
     m = torch.cat([p.m for p in packed if p.m is not None]) if kind.has_min else None
-    return Packed(kind, torch.cat([p.qs for p in packed]), torch.cat([p.d for p in packed]), m)
+    h = torch.cat([p.h for p in packed if p.h is not None]) if kind.has_high else None
+    return Packed(kind, torch.cat([p.qs for p in packed]), torch.cat([p.d for p in packed]), m, h)

@@ -217,7 +217,7 @@ class FusedDecoder {
   static Lin make_lin(int64_t kind, const std::vector<torch::Tensor>& t, int64_t N) {
     if (kind == disagg_bf16::DENSE) return make_dense(t, N);
     if (kind == disagg_f32::DENSE_F32) return make_dense_f32(t, N);
-    TORCH_CHECK(kind == disagg_q::Q4_0 || kind == disagg_q::Q4_1 || kind == disagg_q::Q8_0, "unknown quant kind ", kind);
+    TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
     const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
     TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
                 "d16 must be [groups, K/32, 16] fp16");

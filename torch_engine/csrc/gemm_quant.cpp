@@ -4,7 +4,7 @@
 // tiles). The decode shape: a few rows, each weight read once per step at its packed size (Q4_1: 0.625
 // bytes a weight, 6.4x less than fp32).
 //
-//   repack_q16(kind, qs, d, m or empty) -> [qs16, d16, m16 or empty]
+//   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]   (m: Q4_1's, h: Q5_0's)
 //   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
 //   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty, precise) -> [R, N] in x's dtype (fp32 or bf16)
 //   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
@@ -24,12 +24,13 @@ namespace {
 using disagg_q::BLOCK;
 using disagg_q::Q4_0;
 using disagg_q::Q4_1;
+using disagg_q::Q5_0;
 using disagg_q::Q8_0;
 
 // ---- the integer path (qgemm.h): weights repacked in groups of 16 outputs, activations quantized ----------
 
 disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t N) {
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quant kind ", kind);
+  TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
               "d16 must be [groups, K/32, 16] fp16");
   const int64_t G = d.size(0), NB = d.size(1);
@@ -51,9 +52,11 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   return w;
 }
 
-// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32]) -> [qs16, d16, m16 or empty] (qgemm.h).
-std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "unknown quant kind ", kind);
+// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32], h [N, K/8]) -> [qs16, d16, m16 or empty]
+// (qgemm.h; Q5_0's 5th bits go into qs16).
+std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                                      torch::Tensor h) {
+  TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(), "d must be [N, K/32] fp16");
   const int64_t N = d.size(0), K = d.size(1) * BLOCK, NB = K / BLOCK, G = (N + 15) / 16;
   const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
@@ -61,6 +64,10 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
   if (kind == Q4_1)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 needs m [N, K/32] fp16");
+  if (kind == Q5_0)
+    TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8,
+                "Q5_0 needs h [N, K/8] (uint8)");
+  const uint8_t* hsrc = kind == Q5_0 ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
   const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dsrc = d.data_ptr<at::Half>();
   const at::Half* msrc = kind == Q4_1 ? m.data_ptr<at::Half>() : nullptr;
@@ -98,6 +105,14 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
             for (int64_t c = 0; c < 4; ++c)
               for (int64_t i = 0; i < 4; ++i)
                 blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(nib(8 * c + i) | (nib(8 * c + 4 + i) << 4));
+            if (hsrc != nullptr) {  // word v = 2c + half, bit j * 4 + i: element 8c + 4 half + i's 5th bit
+              const uint8_t* hb = hsrc + n * (K / 8) + b * 4;
+              for (int64_t v = 0; v < 8; ++v)
+                for (int64_t i = 0; i < 4; ++i) {
+                  const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i;
+                  if ((hb[e / 8] >> (e % 8)) & 1) blk[256 + 8 * v + (j * 4 + i) / 8] |= 1u << ((j * 4 + i) % 8);
+                }
+            }
           }
         }
       }
@@ -190,6 +205,16 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
     if (w.kind == Q8_0) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
+    } else if (w.kind == Q5_0) {
+      for (int64_t c = 0; c < 4; ++c)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t byte = blk[c * 64 + j * 4 + i];
+          const int bit = static_cast<int>(j * 4 + i);
+          const int lo = (byte & 0x0F) | static_cast<int>((disagg_q::high_bits(blk, 2 * c) >> bit) & 1) << 4;
+          const int hi = (byte >> 4) | static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1) >> bit) & 1) << 4;
+          o[8 * c + i] = d * static_cast<float>(lo - 16);
+          o[8 * c + 4 + i] = d * static_cast<float>(hi - 16);
+        }
     } else {
       const float mn = w.kind == Q4_1 ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
       for (int64_t c = 0; c < 4; ++c)

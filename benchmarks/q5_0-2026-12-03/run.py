@@ -1,0 +1,139 @@
+"""Q5_0 kept as stored vs converted to Q8_0 (the engine before), on llama.cpp's own Q4_K_M of SmolLM2.
+
+llama.cpp's Q4_K_M stores every 576-column tensor of SmolLM2 (q, k, v, o, gate, up: 576 is not a multiple
+of Q4_K's 256) in Q5_0. Until this change the builder turned Q5_0 into Q8_0 (exactly: ``d * (q - 16)``), so
+the engine read 8.5 bits a weight where the file holds 5.5. Two engines in one process: one built from the
+file (Q5_0 kept), one from a copy of it whose Q5_0 tensors were rewritten as the Q8_0 blocks the old
+conversion produced (the same values, bit for bit). Each point alternates the two (which goes first
+alternates too), 5 times; medians, and the median of the pairs' ratios. Prompt 256, 32 decode steps
+(``bench.engine.decode_step_ms``); prefill: one 256-token prompt, computed (no prefix cache).
+
+Needs the Q4_K_M file (``make bench-peers``, then the quantize snippet in BENCHMARKS.md, or ``--make``).
+Run from the repository root: ``.venv/bin/python benchmarks/q5_0-2026-12-03/run.py OUT.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from bench.engine import decode_step_ms
+from builders import BuildOptions, build_engine
+from builders.embedded import smollm2_gguf
+from torch_engine.config import DType, EngineConfig, PrefixCacheConfig
+from torch_engine.cpu import cpu_info
+from torch_engine.engine import LLMEngine
+from torch_engine.quant import QuantKind, from_gguf_blocks
+from torch_engine.sampling import SamplingParams
+
+T = GGMLQuantizationType
+ROOT = Path("/tmp/kqm")
+KQM = ROOT / "smollm2-q4_k_m.gguf"
+
+
+def make_q4_k_m() -> None:
+    import ctypes
+
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    p.allow_requantize = True
+    p.nthread = 2
+    ROOT.mkdir(parents=True, exist_ok=True)
+    assert llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(KQM).encode(), ctypes.byref(p)) == 0
+
+
+def q5_0_as_q8_0(src: Path, dst: Path) -> int:
+    """``src`` with every Q5_0 tensor rewritten as Q8_0 blocks of the same values (the old conversion)."""
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), arch="llama")
+    for f in reader.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype is GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    n_q5 = 0
+    for t in reader.tensors:
+        if t.tensor_type is T.Q5_0:
+            n, k = int(t.shape[1]), int(t.shape[0])
+            p = from_gguf_blocks(QuantKind.Q5_0, t.data, (n, k))
+            dense = p.dequantize()
+            q = torch.where(p.d.float().repeat_interleave(32, 1) != 0, dense / p.d.float().repeat_interleave(32, 1), 0)
+            blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+            blocks[:, :, 0:2] = p.d.numpy().view(np.uint8).reshape(n, k // 32, 2)
+            blocks[:, :, 2:] = q.round().to(torch.int8).numpy().view(np.uint8).reshape(n, k // 32, 32)
+            raw = blocks.reshape(n, k // 32 * 34)
+            assert torch.equal(from_gguf_blocks(QuantKind.Q8_0, raw, (n, k)).dequantize(), dense), t.name
+            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=T.Q8_0)
+            n_q5 += 1
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return n_q5
+
+
+def prefill_tok_s(engine: LLMEngine, length: int = 256) -> float:
+    prompt = [int(v) for v in torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(7))]
+    t = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    return length / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--make", action="store_true", help="write the Q4_K_M file with llama.cpp's quantizer first")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("out", type=Path)
+    a = p.parse_args()
+    if a.make or not KQM.exists():
+        make_q4_k_m()
+    old = ROOT / "smollm2-q4_k_m-q5as8.gguf"
+    n_q5 = q5_0_as_q8_0(KQM, old)
+    dirs = {}
+    for name, src in (("q5_0", KQM), ("as_q8_0", old)):
+        dirs[name] = build_engine(str(src), ROOT / f"engine-{name}", BuildOptions(dtype=DType.FLOAT32), progress=False)
+    sizes = {n: (d / "rank0.safetensors").stat().st_size for n, d in dirs.items()}
+    result: dict[str, object] = {
+        "cpu": cpu_info().as_dict(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "q5_0_tensors": n_q5, "file_bytes": KQM.stat().st_size, "engine_bytes": sizes,
+    }  # fmt: skip
+    print(result, flush=True)
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        engines = {
+            n: LLMEngine(EngineConfig(engine_dir=d, fast_cpu=True, num_pages=1024,
+                                      prefix_cache=PrefixCacheConfig(enabled=False)))
+            for n, d in dirs.items()
+        }  # fmt: skip
+        result["kernel_path"] = {n: e.kernel_path for n, e in engines.items()}
+        points: dict[str, tuple[str, object]] = {f"b{b}": ("ms", b) for b in a.batches} | {"prefill": ("tok/s", 0)}
+        for key, (unit, batch) in points.items():
+            runs: dict[str, list[float]] = {"q5_0": [], "as_q8_0": []}
+            for i in range(5):
+                for n in ("q5_0", "as_q8_0") if i % 2 == 0 else ("as_q8_0", "q5_0"):
+                    e = engines[n]
+                    runs[n].append(decode_step_ms(e, int(batch)) if unit == "ms" else prefill_tok_s(e))  # type: ignore[arg-type]
+            new, before = statistics.median(runs["q5_0"]), statistics.median(runs["as_q8_0"])
+            ratios = [b / n if unit == "ms" else n / b for n, b in zip(runs["q5_0"], runs["as_q8_0"], strict=True)]
+            speedup = statistics.median(ratios)
+            result[f"{threads}t {key}"] = {"q5_0": new, "as_q8_0": before, "speedup": speedup, "runs": runs}
+            print(f"threads {threads} {key}: Q5_0 kept {new:.2f} {unit}, as Q8_0 {before:.2f} {unit}, x{speedup:.2f}",
+                  flush=True)  # fmt: skip
+    a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
