@@ -138,22 +138,11 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
     if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q4_1 and bool((w.d.abs() < 8000).all()):
         return Packed(kind, w.qs, w.d, -8 * w.d)  # d (q - 8) = d q + (-8 d): exact in fp16
     if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q5_0:  # q - 8 = (q + 8) - 16 with the same scale: exact
-        return _q5_0(w.d, _quants(w) + 8)
+        return _q5_0(w.d, w.quants() + 8)
     if w.kind in (QuantKind.Q4_0, QuantKind.Q5_0) and kind is QuantKind.Q8_0:  # the same scale: exact
         offset = 8 if w.kind is QuantKind.Q4_0 else 16
-        return Packed(kind, (_quants(w).to(torch.int16) - offset).to(torch.int8).reshape(n, k), w.d)
+        return Packed(kind, (w.quants().to(torch.int16) - offset).to(torch.int8).reshape(n, k), w.d)
     return quantize_tensor(w.dequantize(), kind)
-
-
-def _quants(w: Packed) -> torch.Tensor:
-    """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8; Q5_0's 5th bits included)."""
-    n, k = w.shape
-    raw = w.qs.reshape(n, k // BLOCK, BLOCK // 2)
-    q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
-    if w.h is not None:
-        bits = w.h.reshape(n, k // BLOCK, 4, 1) >> torch.arange(8, dtype=torch.uint8)
-        q = q | ((bits & 1).reshape(n, k // BLOCK, BLOCK) << 4)
-    return q
 
 
 def _q5_0(d: torch.Tensor, q: torch.Tensor) -> Packed:

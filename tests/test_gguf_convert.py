@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType
+from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize, quantize
 
+from bench.gguf_rewrite import rewrite
 from bench.quality import prompt_logprobs, top1_agreement
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
@@ -140,27 +142,18 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
     """The embedded file with every layer's FFN-down weight in Q4_K (1536 columns) and its q, k, v (576
     columns, not a multiple of 256) in Q5_0; everything else as it was (Q4_1, the embedding Q8_0)."""
-    reader = GGUFReader(str(src))
-    writer = GGUFWriter(str(dst), arch="llama")
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype is GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    for t in reader.tensors:
+
+    def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
+        ends = ("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight")
+        if not (t.name.startswith("blk.") and t.name.endswith(ends)):
+            return None
         shape = [int(v) for v in reversed(t.shape)]  # [N, K]
-        if t.name.startswith("blk.") and t.name.endswith(("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight")):
-            dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            kind = T.Q4_K if t.name.endswith("ffn_down.weight") else T.Q5_0
-            raw = _q4_k(dense) if kind is T.Q4_K else quantize(dense, kind)
-            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=kind)
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if t.name.endswith("ffn_down.weight"):
+            return _q4_k(dense), T.Q4_K
+        return quantize(dense, T.Q5_0), T.Q5_0
+
+    rewrite(src, dst, convert)
 
 
 def test_weights_fused_together_are_brought_to_one_format() -> None:

@@ -101,3 +101,31 @@ def test_every_path_computes_the_product_of_the_quantized_activations(
     first = outs["x86-64"]
     for lvl, y in outs.items():
         assert np.allclose(y, first, rtol=1e-5, atol=1e-5), lvl
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
+def test_every_path_computes_q5_0_as_its_q8_0_conversion(
+    paths: dict[str, ctypes.CDLL], n: int, k: int, rows: int
+) -> None:
+    """Q5_0 and the Q8_0 blocks of the same values (``d * (q - 16)``) give the same integer sums, so the SIMD
+    paths' results are bit-identical between them, the scalar loops' within float rounding (9 and 20 rows take
+    the per-group unpacking on AVX2 / scalar, 20 on AVX-512 too)."""
+    from builders.gguf_convert import _as
+
+    rng = np.random.default_rng(n + rows)
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType.Q5_0)
+    p5 = from_gguf_blocks(QuantKind.Q5_0, raw, (n, k))
+    kernels = cpu_kernels()
+    assert kernels is not None
+    parts = {}
+    for p in (p5, _as(p5, QuantKind.Q8_0)):
+        g = group(p, kernels)
+        parts[p.kind] = [g.qs.numpy(), g.d.view(torch.int16).numpy(), g.m.view(torch.int16).numpy()]
+    x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+    for lvl, so in paths.items():
+        y5, _ = _run(so, QuantKind.Q5_0, parts[QuantKind.Q5_0], n, x, None, None)
+        y8, _ = _run(so, QuantKind.Q8_0, parts[QuantKind.Q8_0], n, x, None, None)
+        if so.qgemm_path() == b"scalar":  # plain loops: -ffast-math may sum a row's blocks in another order
+            assert np.allclose(y5, y8, rtol=1e-6, atol=1e-6), lvl
+        else:
+            assert np.array_equal(y5, y8), lvl

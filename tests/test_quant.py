@@ -270,3 +270,24 @@ def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantK
     assert isinstance(both, Packed) and torch.equal(both.dequantize(), torch.cat([dense, dense[2:5]]))
     state = p.tensors("w")
     assert torch.equal(Packed.from_tensors(kind, "w", state).dequantize(), dense) and not state
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+def test_q5_0_computes_exactly_what_its_q8_0_conversion_did(rows: int) -> None:
+    """Q5_0 was converted to Q8_0 (``d * (q - 16)`` as it stands) before it was kept: the integer sums are the
+    same, so the GEMM's result is bit-identical (the SIMD kernels), at decode row counts and past the per-group
+    unpacking."""
+    from builders.gguf_convert import _as
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no compiler here: the engine dequantises packed weights at load")
+    p5, _ = _packed(QuantKind.Q5_0, 200, 320, seed=rows)
+    p8 = _as(p5, QuantKind.Q8_0)
+    assert p8.kind is QuantKind.Q8_0 and torch.equal(p8.dequantize(), p5.dequantize())
+    x, bias = torch.randn(rows, 320), torch.randn(200)
+    a, b = group(p5, kernels), group(p8, kernels)
+    # the scalar loops may sum a row's blocks in another order per format (-ffast-math): rounding apart
+    same = torch.equal if kernels.i8_path() != "scalar" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
+    assert same(a.gemm(kernels, x, bias), b.gemm(kernels, x, bias))
+    assert same(a.gemm(kernels, x, bias, precise=True), b.gemm(kernels, x, bias, precise=True))

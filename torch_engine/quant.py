@@ -114,19 +114,23 @@ class Packed:
         d = self.d.float().reshape(n, nb, 1)
         if self.kind is QuantKind.Q8_0:
             w = self.qs.reshape(n, nb, BLOCK).float() * d
+        elif self.kind is QuantKind.Q4_1:
+            assert self.m is not None
+            w = d * self.quants().float() + self.m.float().reshape(n, nb, 1)
         else:
-            raw = self.qs.reshape(n, nb, BLOCK // 2)
-            q = torch.cat((raw & 0x0F, raw >> 4), dim=2).float()
-            if self.kind is QuantKind.Q5_0:
-                assert self.h is not None
-                bits = self.h.reshape(n, nb, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=self.h.device)
-                w = d * (q + (bits & 1).reshape(n, nb, BLOCK).float() * 16 - 16)
-            elif self.kind is QuantKind.Q4_0:
-                w = d * (q - 8)
-            else:
-                assert self.m is not None
-                w = d * q + self.m.float().reshape(n, nb, 1)
+            w = d * (self.quants().float() - (16 if self.kind is QuantKind.Q5_0 else 8))
         return w.reshape(n, k).to(dtype)
+
+    def quants(self) -> torch.Tensor:
+        """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; Q5_0's 5th
+        bits included)."""
+        n, k = self.shape
+        raw = self.qs.reshape(n, k // BLOCK, BLOCK // 2)
+        q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
+        if self.h is not None:
+            bits = self.h.reshape(n, k // BLOCK, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=self.h.device)
+            q = q | ((bits & 1).reshape(n, k // BLOCK, BLOCK) << 4)
+        return q
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The safetensors entries of this weight under ``name``."""

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType
+from gguf.gguf_reader import ReaderTensor
 
 from bench.engine import decode_step_ms
+from bench.gguf_rewrite import rewrite
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
 from torch_engine.config import DType, EngineConfig, PrefixCacheConfig
@@ -53,35 +55,23 @@ def make_q4_k_m() -> None:
 
 def q5_0_as_q8_0(src: Path, dst: Path) -> int:
     """``src`` with every Q5_0 tensor rewritten as Q8_0 blocks of the same values (the old conversion)."""
-    reader = GGUFReader(str(src))
-    writer = GGUFWriter(str(dst), arch="llama")
-    for f in reader.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype is GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
-    n_q5 = 0
-    for t in reader.tensors:
-        if t.tensor_type is T.Q5_0:
-            n, k = int(t.shape[1]), int(t.shape[0])
-            p = from_gguf_blocks(QuantKind.Q5_0, t.data, (n, k))
-            dense = p.dequantize()
-            q = torch.where(p.d.float().repeat_interleave(32, 1) != 0, dense / p.d.float().repeat_interleave(32, 1), 0)
-            blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
-            blocks[:, :, 0:2] = p.d.numpy().view(np.uint8).reshape(n, k // 32, 2)
-            blocks[:, :, 2:] = q.round().to(torch.int8).numpy().view(np.uint8).reshape(n, k // 32, 32)
-            raw = blocks.reshape(n, k // 32 * 34)
-            assert torch.equal(from_gguf_blocks(QuantKind.Q8_0, raw, (n, k)).dequantize(), dense), t.name
-            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=T.Q8_0)
-            n_q5 += 1
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return n_q5
+
+    def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
+        if t.tensor_type is not T.Q5_0:
+            return None
+        n, k = int(t.shape[1]), int(t.shape[0])
+        p = from_gguf_blocks(QuantKind.Q5_0, t.data, (n, k))
+        dense = p.dequantize()
+        d = p.d.float().repeat_interleave(32, 1)
+        q = torch.where(d != 0, dense / d, 0)
+        blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+        blocks[:, :, 0:2] = p.d.numpy().view(np.uint8).reshape(n, k // 32, 2)
+        blocks[:, :, 2:] = q.round().to(torch.int8).numpy().view(np.uint8).reshape(n, k // 32, 32)
+        raw = blocks.reshape(n, k // 32 * 34)
+        assert torch.equal(from_gguf_blocks(QuantKind.Q8_0, raw, (n, k)).dequantize(), dense), t.name
+        return raw, T.Q8_0
+
+    return rewrite(src, dst, convert)
 
 
 def prefill_tok_s(engine: LLMEngine, length: int = 256) -> float:
