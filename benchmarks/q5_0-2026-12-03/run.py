@@ -9,7 +9,8 @@ alternates too), 5 times; medians, and the median of the pairs' ratios. Prompt 2
 (``bench.engine.decode_step_ms``); prefill: one 256-token prompt, computed (no prefix cache).
 
 Needs the Q4_K_M file (``make bench-peers``, then the quantize snippet in BENCHMARKS.md, or ``--make``).
-Run from the repository root: ``.venv/bin/python benchmarks/q5_0-2026-12-03/run.py OUT.json``.
+Run from the repository root: ``.venv/bin/python benchmarks/q5_0-2026-12-03/run.py OUT.json [--march x86-64-v3]``
+(``--march x86-64-v3``: the kernels an AVX2-only CPU builds, run on this CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
+import torch_engine.kernels as tk
 from bench.engine import decode_step_ms
 from bench.gguf_rewrite import rewrite
 from builders import BuildOptions, build_engine
@@ -84,10 +86,13 @@ def prefill_tok_s(engine: LLMEngine, length: int = 256) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--make", action="store_true", help="write the Q4_K_M file with llama.cpp's quantizer first")
+    p.add_argument("--march", default=None, help="build the kernels for this -march (x86-64-v3: the AVX2 paths)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("out", type=Path)
     a = p.parse_args()
+    if a.march:
+        tk.use_march(a.march)
     if a.make or not KQM.exists():
         make_q4_k_m()
     old = ROOT / "smollm2-q4_k_m-q5as8.gguf"
@@ -97,7 +102,8 @@ def main() -> None:
         dirs[name] = build_engine(str(src), ROOT / f"engine-{name}", BuildOptions(dtype=DType.FLOAT32), progress=False)
     sizes = {n: (d / "rank0.safetensors").stat().st_size for n, d in dirs.items()}
     result: dict[str, object] = {
-        "cpu": cpu_info().as_dict(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_info().as_dict(), "march": a.march or "native",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "q5_0_tensors": n_q5, "file_bytes": KQM.stat().st_size, "engine_bytes": sizes,
     }  # fmt: skip
     print(result, flush=True)
