@@ -108,8 +108,8 @@ def test_every_path_computes_q5_0_as_its_q8_0_conversion(
     paths: dict[str, ctypes.CDLL], n: int, k: int, rows: int
 ) -> None:
     """Q5_0 and the Q8_0 blocks of the same values (``d * (q - 16)``) give the same integer sums, so the SIMD
-    paths' results are bit-identical between them, the scalar loops' within float rounding (9 and 20 rows take
-    the per-group unpacking on AVX2 / scalar, 20 on AVX-512 too)."""
+    paths' results are bit-identical between them, the scalar loops' within float rounding (20 rows take the
+    per-group unpacking on AVX-512)."""
     from builders.gguf_convert import _as
 
     rng = np.random.default_rng(n + rows)

@@ -367,17 +367,6 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 }
 constexpr int TILE_ROWS = 4;
 
-inline void unpack_q5_block(const uint8_t* qb, uint8_t* out) {  // as the AVX-512 one, a half at a time
-  const __m256i low4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
-  for (int h = 0; h < 2; ++h)
-    for (int v = 0; v < 8; ++v) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + h * 32 + (v / 2) * 64));
-      const __m256i q = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4);
-      const __m256i q5 = _mm256_or_si256(q, fifth_bits(half_bits(qb + h * 32, v, h)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 64 + h * 32), _mm256_sub_epi8(q5, b5));
-    }
-}
-
 #else
 template <Kind KD, int R>
 inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
@@ -420,15 +409,6 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   for (int r = 0; r < R; ++r) store_group(vals[r], y + (r0 + r) * ldy, bias, g * GROUP, w.N, accumulate);
 }
 constexpr int TILE_ROWS = 4;
-
-inline void unpack_q5_block(const uint8_t* qb, uint8_t* out) {
-  for (int v = 0; v < 8; ++v)
-    for (int b = 0; b < 64; ++b) {
-      const uint8_t byte = qb[(v / 2) * 64 + b];
-      const int q = ((v % 2 ? byte >> 4 : byte) & 0x0F) | static_cast<int>((high_bits(qb, v) >> b) & 1) << 4;
-      out[v * 64 + b] = static_cast<uint8_t>(static_cast<int8_t>(q - 16));
-    }
-}
 #endif
 
 // Groups [g0, g1) of every row of x: the caller splits groups over threads.
@@ -436,9 +416,12 @@ template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate);
 
-// Q5_0 over many rows: each group unpacked once into the Q8_0 blocks of the same values, and every tile of
-// rows run on that copy (in L1 / L2) by the Q8_0 kernel, instead of unpacking each block again per tile
-// (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4).
+#if defined(DISAGG_I8_AVX512)
+// Q5_0 over many rows on AVX-512: each group unpacked once into the Q8_0 blocks of the same values, and every
+// tile of rows run on that copy (in L1 / L2) by the Q8_0 kernel, instead of unpacking each block again per
+// tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4). Not on AVX2: its Q8_0 kernel (the
+// sign trick) costs more per row than Q5_0's unsigned products there (the AVX2 build's GEMMs at 9 rows 0.87x,
+// at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t Q5_UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
 
 inline void groups_q5_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
@@ -457,13 +440,16 @@ inline void groups_q5_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t 
     groups_kind<Q8_0>(wx, x, R, g, g + 1, y, ldy, bias, accumulate);
   }
 }
+#endif
 
 template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
+#if defined(DISAGG_I8_AVX512)
   if constexpr (KD == Q5_0) {
     if (R > Q5_UNPACK_ROWS) return groups_q5_unpacked(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
+#endif
   for (int64_t g = g0; g < g1; ++g) {
     int64_t r = 0;
     for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
