@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -34,6 +35,16 @@ from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, gr
 from torch_engine.sampling import SamplingParams
 
 KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q8_0]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    """The engine's compiled kernels; the tests that need them skip where none can be built (no compiler: the
+    engine then dequantises packed weights at load)."""
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no compiler here: the engine dequantises packed weights at load")
+    return k
 
 
 def _packed(kind: QuantKind, n: int, k: int, seed: int = 0) -> tuple[Packed, np.ndarray]:
@@ -63,10 +74,7 @@ def test_the_shipped_files_tensors_dequantise_bit_equal() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_grouped_weights_dequantise_bit_equal(kind: QuantKind) -> None:
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no compiler here: the engine dequantises packed weights at load")
+def test_grouped_weights_dequantise_bit_equal(kernels: ModuleType, kind: QuantKind) -> None:
     p, _ = _packed(kind, 37, 96)  # 37 rows: the last group of 16 is padding
     g = group(p, kernels)
     assert g.shape == p.shape
@@ -77,14 +85,11 @@ def test_grouped_weights_dequantise_bit_equal(kind: QuantKind) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
-def test_integer_gemm_errs_only_by_the_activations_rounding(kind: QuantKind, rows: int) -> None:
+def test_integer_gemm_errs_only_by_the_activations_rounding(kernels: ModuleType, kind: QuantKind, rows: int) -> None:
     """A Linear on a weight kept as stored: on the integer kernel (any number of rows with AVX-512 VNNI,
     else up to 16), whose result differs from the dequantised weight's exact GEMM by at most |W| x half a
     quantization step of each block of activations; more rows (prefill on AVX2 / scalar kernels) on the
     dense GEMM of the dequantised weight."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no compiler here: the engine dequantises packed weights at load")
     p, _ = _packed(kind, 200, 320, seed=rows)
     lin = Linear(320, 200, bias=True)
     bias = torch.randn(200)
@@ -232,12 +237,9 @@ def test_build_time_quantization_of_a_dense_checkpoint(tiny, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_precise_gemm_also_multiplies_the_rounding_residual(kind: QuantKind) -> None:
+def test_the_precise_gemm_also_multiplies_the_rounding_residual(kernels: ModuleType, kind: QuantKind) -> None:
     """``precise`` (the lm_head at up to two rows): the activations' rounding residual, quantized again, is
     multiplied too, so the result is within a hundredth of the one-pass bound of the dequantised GEMM."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no compiler here: the engine dequantises packed weights at load")
     p, _ = _packed(kind, 200, 320, seed=7)
     g = group(p, kernels)
     x = torch.randn(3, 320)
@@ -273,15 +275,12 @@ def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantK
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
-def test_q5_0_computes_exactly_what_its_q8_0_conversion_did(rows: int) -> None:
+def test_q5_0_computes_exactly_what_its_q8_0_conversion_did(kernels: ModuleType, rows: int) -> None:
     """Q5_0 was converted to Q8_0 (``d * (q - 16)`` as it stands) before it was kept: the integer sums are the
     same, so the GEMM's result is bit-identical (the SIMD kernels), at decode row counts and past the per-group
     unpacking."""
     from builders.gguf_convert import _as
 
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no compiler here: the engine dequantises packed weights at load")
     p5, _ = _packed(QuantKind.Q5_0, 200, 320, seed=rows)
     p8 = _as(p5, QuantKind.Q8_0)
     assert p8.kind is QuantKind.Q8_0 and torch.equal(p8.dequantize(), p5.dequantize())

@@ -1,7 +1,7 @@
 """Eager vs compiled decode step on SmolLM2 built dense bf16 (an HF checkpoint's kind of engine), side by side:
 the same engine with ``fused_decode`` off and on, alternated, medians of 3; prompt 256, 32 decode steps.
 
-Run from the repository root: ``.venv/bin/python benchmarks/fused-dense-2026-12-02/bench.py [OUT.json]``.
+Run from the repository root: ``.venv/bin/python benchmarks/fused-dense-2026-12-02/run.py [OUT.json]``.
 """
 
 from __future__ import annotations
@@ -9,33 +9,16 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from bench.engine import decode_step_ms
 from builders import BuildOptions, build_engine
 from torch_engine.config import DType, EngineConfig, PrefixCacheConfig, WeightStorage
 from torch_engine.engine import LLMEngine
-from torch_engine.sampling import SamplingParams
 
 ENGINE = Path("/tmp/dense/engine")
-
-
-def step_ms(engine: LLMEngine, batch: int) -> float:
-    """Mean decode-step time of ``batch`` requests (256 random prompt tokens each, 32 decode steps)."""
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=33, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(100, 40000, (256,), generator=g).tolist(), params) for _ in range(batch)]
-    while not all(engine.request(i).output_ids for i in ids):
-        engine.step()
-    t0, n = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        n += 1
-    for i in ids:
-        engine.retire(i)
-    return (time.perf_counter() - t0) / n * 1000
 
 
 def main(out: Path) -> None:
@@ -56,7 +39,7 @@ def main(out: Path) -> None:
             runs: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(3):
                 for fused, engine in engines.items():
-                    runs[fused].append(step_ms(engine, batch))
+                    runs[fused].append(decode_step_ms(engine, batch))
             eager, fused_ms = statistics.median(runs[False]), statistics.median(runs[True])
             result[f"{threads}t b{batch}"] = {"eager_ms": eager, "fused_ms": fused_ms}
             ratio = eager / fused_ms
