@@ -87,5 +87,11 @@ def cpu_kernels() -> ModuleType | None:
 
 
 if __name__ == "__main__":
-    module = build(verbose="-v" in sys.argv)
-    print(f"built {module.__name__} in {build_dir()}")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the engine's CPU kernels (make setup runs this).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the compiler's commands")
+    parser.add_argument("--march", default="native", help="the instruction-set level (x86-64-v3: an AVX2-only CPU's)")
+    args = parser.parse_args()
+    module = build(verbose=args.verbose, march=args.march)
+    print(f"built {module.__name__} in {build_dir(args.march)}")
