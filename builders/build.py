@@ -33,7 +33,7 @@ from builders.sharding import check_tp, shard
 from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role, WeightStorage
 from torch_engine.quant import PACKED_KEY, Packed, QuantKind, Weight
 
-BUILDER_VERSION = 3  # 2: a GGUF's K-quants converted, not dequantised, as stored; 3: Q5_0 kept as stored
+BUILDER_VERSION = 4  # 2: a GGUF's K-quants converted, not dequantised, as stored; 3: Q5_0 kept as stored; 4: Q5_1
 
 __all__ = ["BuildError", "BuildOptions", "build_engine", "default_engine_dir", "load_checkpoint"]
 

@@ -1,7 +1,8 @@
 """GGUF block formats the engine does not compute with, converted at build time into ones it does.
 
 Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
-sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights. With ``--weights
+sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_1 /
+Q8_0 there). With ``--weights
 as-stored`` (the default) each 2-D tensor in such a format becomes one of the engine's block formats
 (``torch_engine/quant.py``), so the integer kernels read it packed instead of a dense bf16 copy:
 
@@ -9,11 +10,11 @@ as-stored`` (the default) each 2-D tensor in such a format becomes one of the en
   with q in 0..15 and 6-bit sc, m: a Q4_1 block with scale ``d * sc`` and minimum ``-dmin * m``. The
   quants are kept; Q4_1 stores scale and minimum in fp16, so those two products are rounded to fp16
   (each within 2^-11 of itself relatively): the only error.
-- Q5_0 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
-- **Every other quantized format** gguf can dequantise (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, the IQ
+- Q5_0, Q5_1 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
+- **Every other quantized format** gguf can dequantise (Q5_K, Q6_K, Q2_K, Q3_K, the IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
-- F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q4_0 | q4_1`` quantizes them).
+- F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q5_1 | q5_0 | q4_1 | q4_0`` quantizes them).
 
 The error of each conversion is measured against gguf's dequantisation of the source (the relative
 RMS over the tensors converted) and reported (``QuantReport``; the build logs it and writes it into
@@ -101,13 +102,30 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # attn_v in Q8_0 in some layers, q / k in Q5_0).
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
-_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q5_0: 2, QuantKind.Q8_0: 3}  # the finer format wins
+# The formats each one converts into exactly (the same values; _as), and the order the formats are tried in: the
+# smallest one every member of a group converts into exactly, else the finest among them (the others requantized).
+_EXACT = {
+    QuantKind.Q4_0: {QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q8_0},
+    QuantKind.Q4_1: {QuantKind.Q5_1},
+    QuantKind.Q5_0: {QuantKind.Q5_1, QuantKind.Q8_0},
+    QuantKind.Q5_1: set(),
+    QuantKind.Q8_0: set(),
+}
+_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q8_0: 4}
+
+
+def _common(kinds: set[QuantKind]) -> QuantKind:
+    for kind in sorted(_BITS, key=_BITS.__getitem__):
+        if all(k is kind or kind in _EXACT[k] for k in kinds):
+            return kind
+    return max(kinds, key=_BITS.__getitem__)
 
 
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
-    """``ck`` with the members of each fused group in one format: all packed ones in the finest format
-    among them (Q4_0 -> Q4_1 / Q5_0 / Q8_0 and Q5_0 -> Q8_0 exactly; Q4_1 -> Q5_0 / Q8_0 requantized, the
-    error recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    """``ck`` with the members of each fused group in one format: all packed ones in the smallest format every
+    one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0),
+    else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0, the error recorded in
+    ``converted``); a group mixing dense and packed weights dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):
@@ -123,7 +141,7 @@ def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
             for n, w in zip(names, ws, strict=True):
                 tensors[n] = w.dequantize() if isinstance(w, Packed) else w
             continue
-        kind = max(kinds, key=_BITS.__getitem__)
+        kind = _common(kinds)
         for n, w in zip(names, ws, strict=True):
             if isinstance(w, Packed) and w.kind is not kind:
                 tensors[n] = _as(w, kind)
@@ -138,17 +156,22 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
     if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q4_1 and bool((w.d.abs() < 8000).all()):
         return Packed(kind, w.qs, w.d, -8 * w.d)  # d (q - 8) = d q + (-8 d): exact in fp16
     if w.kind is QuantKind.Q4_0 and kind is QuantKind.Q5_0:  # q - 8 = (q + 8) - 16 with the same scale: exact
-        return _q5_0(w.d, w.quants() + 8)
+        return _q5(kind, w.d, w.quants() + 8)
+    if w.kind is QuantKind.Q4_1 and kind is QuantKind.Q5_1:  # the same values, the 5th bits 0
+        return _q5(kind, w.d, w.quants(), w.m)
+    offset = {QuantKind.Q4_0: 8, QuantKind.Q5_0: 16}.get(w.kind)
+    if offset is not None and kind is QuantKind.Q5_1 and bool((w.d.abs() < 60000 / offset).all()):
+        return _q5(kind, w.d, w.quants(), -offset * w.d)  # d (q - o) = d q + (-o d): exact in fp16
     if w.kind in (QuantKind.Q4_0, QuantKind.Q5_0) and kind is QuantKind.Q8_0:  # the same scale: exact
         offset = 8 if w.kind is QuantKind.Q4_0 else 16
         return Packed(kind, (w.quants().to(torch.int16) - offset).to(torch.int8).reshape(n, k), w.d)
     return quantize_tensor(w.dequantize(), kind)
 
 
-def _q5_0(d: torch.Tensor, q: torch.Tensor) -> Packed:
-    """Quants ``[N, K / 32, 32]`` in 0..31 and their scales -> a Q5_0 weight."""
+def _q5(kind: QuantKind, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None) -> Packed:
+    """Quants ``[N, K / 32, 32]`` in 0..31, their scales (and Q5_1's minimums) -> a Q5_0 / Q5_1 weight."""
     n, nb, _ = q.shape
     qs = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
     h = ((q >> 4).to(torch.int32).reshape(n, nb, 4, 8) * weights).sum(dim=3).to(torch.uint8)
-    return Packed(QuantKind.Q5_0, qs.reshape(n, nb * 16).contiguous(), d, None, h.reshape(n, nb * 4))
+    return Packed(kind, qs.reshape(n, nb * 16).contiguous(), d, m, h.reshape(n, nb * 4))

@@ -1,4 +1,5 @@
-"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q5_0 | q4_0 | q4_1``).
+"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q5_1 | q5_0 | q4_1 |
+q4_0``).
 
 A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
 are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
@@ -6,8 +7,8 @@ kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantize
 ``llama-quantize`` run would write for those tensors:
 
 - the decoder layers' attention projections (q, k, v, o) and dense MLP (gate, up, down): the chosen
-  format (Q8_0: int8 per block of 32 with an fp16 scale; Q5_0: 5 bits with a scale; Q4_0: int4 with a
-  scale; Q4_1: int4 with a scale and a minimum);
+  format (Q8_0: int8 per block of 32 with an fp16 scale; Q5_0: 5 bits with a scale; Q5_1: 5 bits with a
+  scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a minimum);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
   keep the output in 6-8 bits: the logits are the most sensitive GEMM);
 - everything else (norms, biases, MLA and MoE weights, rows whose width is not a multiple of 32)

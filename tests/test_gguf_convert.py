@@ -1,11 +1,11 @@
 """A GGUF's K-quants and other formats converted at build time (``builders/gguf_convert.py``).
 
 Reference: gguf's own dequantisation of the source blocks. Q4_K -> Q4_1 keeps the quants and rounds only
-each block's scale and minimum to fp16; Q5_0 is kept as stored; the rest (Q5_1, Q5_K, Q6_K, ...) are
+each block's scale and minimum to fp16; Q5_0 and Q5_1 are kept as stored; the rest (Q5_K, Q6_K, ...) are
 requantized to Q8_0, each weight within half its new block step. End to end: the embedded SmolLM2 file
-rewritten with its FFN-down tensors in Q4_K and its q, k, v in Q5_0 (as llama.cpp's Q4_K_M does for rows
-that are not a multiple of 256) builds packed, and the engine on it decodes as on gguf's dequantisation of
-the same file.
+rewritten with its FFN-down tensors in Q4_K, its q, k, v in Q5_0 (as llama.cpp's Q4_K_M does for rows that
+are not a multiple of 256) and its gate, up in Q5_1 (a Q5_K_M's fallback) builds packed, and the engine on
+it decodes as on gguf's dequantisation of the same file.
 """
 
 from __future__ import annotations
@@ -103,13 +103,10 @@ def test_q4_k_becomes_q4_1_keeping_its_quants(source: str) -> None:
     assert "Q4_K->Q4_1: 1 tensors" in report.summary()
 
 
-@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K, T.Q5_1])
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K])
 def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizationType) -> None:
     n, k = 16, 512
-    if qtype is T.Q5_1:
-        raw = quantize(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32), qtype)
-    else:
-        raw = _random_k_blocks(qtype, n, k, seed=3)
+    raw = _random_k_blocks(qtype, n, k, seed=3)
     assert converts(qtype) and target(qtype) is QuantKind.Q8_0
     report = QuantReport()
     p = convert(qtype, raw, (n, k), report)
@@ -121,7 +118,7 @@ def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizatio
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
-    assert not any(converts(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1))
+    assert not any(converts(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_1, T.Q5_0, T.Q4_1, T.Q4_0))
 
 
 def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Path) -> None:
@@ -140,27 +137,29 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
 
 
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
-    """The embedded file with every layer's FFN-down weight in Q4_K (1536 columns) and its q, k, v (576
-    columns, not a multiple of 256) in Q5_0; everything else as it was (Q4_1, the embedding Q8_0)."""
+    """The embedded file with every layer's FFN-down weight in Q4_K (1536 columns), its q, k, v (576 columns,
+    not a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding
+    Q8_0)."""
 
     def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
-        ends = ("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight")
+        ends = ("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight", "ffn_gate.weight", "ffn_up.weight")
         if not (t.name.startswith("blk.") and t.name.endswith(ends)):
             return None
         shape = [int(v) for v in reversed(t.shape)]  # [N, K]
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if t.name.endswith("ffn_down.weight"):
             return _q4_k(dense), T.Q4_K
-        return quantize(dense, T.Q5_0), T.Q5_0
+        kind = T.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else T.Q5_0
+        return quantize(dense, kind), kind
 
     rewrite(src, dst, convert)
 
 
 def test_weights_fused_together_are_brought_to_one_format() -> None:
-    """q, k, v (and gate, up) are stacked into one GEMM, so they must share a format: the finest among them
-    wins (Q4_0 -> Q4_1 / Q5_0 / Q8_0 and Q5_0 -> Q8_0 exactly, Q4_1 -> Q8_0 requantized with its error
-    recorded); a group mixing dense and packed weights is dequantised; groups already in one format are left
-    alone."""
+    """q, k, v (and gate, up) are stacked into one GEMM, so they must share a format: the smallest one every member
+    converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0), else the finest
+    among them (Q4_1 / Q5_1 -> Q8_0 requantized with its error recorded); a group mixing dense and packed weights
+    is dequantised; groups already in one format are left alone."""
     from builders.checkpoint import Checkpoint
     from builders.gguf_convert import same_format_for_fused
     from builders.quantize import quantize_tensor
@@ -174,6 +173,7 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
     a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
     b, c = "model.layers.1.self_attn.", "model.layers.1.mlp."
     e, f = "model.layers.2.self_attn.", "model.layers.2.mlp."
+    g, h = "model.layers.3.self_attn.", "model.layers.3.mlp."
     tensors: dict[str, Weight] = {
         a + "q_proj.weight": w(QuantKind.Q4_0), a + "k_proj.weight": w(QuantKind.Q4_1),
         a + "v_proj.weight": w(QuantKind.Q4_0),
@@ -184,8 +184,11 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
         e + "q_proj.weight": w(QuantKind.Q5_0), e + "k_proj.weight": w(QuantKind.Q5_0),
         e + "v_proj.weight": w(QuantKind.Q8_0),
         f + "gate_proj.weight": w(QuantKind.Q4_0), f + "up_proj.weight": w(QuantKind.Q5_0),
+        g + "q_proj.weight": w(QuantKind.Q4_1), g + "k_proj.weight": w(QuantKind.Q5_0),
+        g + "v_proj.weight": w(QuantKind.Q4_0),
+        h + "gate_proj.weight": w(QuantKind.Q5_1), h + "up_proj.weight": w(QuantKind.Q8_0),
     }  # fmt: skip
-    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=64, intermediate_size=32, num_layers=3,
+    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=64, intermediate_size=32, num_layers=4,
                       num_heads=1, num_kv_heads=1, head_dim=64)  # fmt: skip
     out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {"Q4_K->Q4_1": 1e-4}))
     kinds = {n: (v.kind if isinstance(v, Packed) else None) for n, v in out.tensors.items()}
@@ -195,19 +198,24 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
     assert out.tensors[c + "gate_proj.weight"] is tensors[c + "gate_proj.weight"]  # one format already
     assert kinds[e + "q_proj.weight"] is kinds[e + "k_proj.weight"] is kinds[e + "v_proj.weight"] is QuantKind.Q8_0
     assert kinds[f + "gate_proj.weight"] is kinds[f + "up_proj.weight"] is QuantKind.Q5_0
-    exact = (a + "q_proj.weight", a + "v_proj.weight", b + "q_proj.weight", e + "q_proj.weight", f + "gate_proj.weight")
+    assert kinds[g + "q_proj.weight"] is kinds[g + "k_proj.weight"] is kinds[g + "v_proj.weight"] is QuantKind.Q5_1
+    assert kinds[h + "gate_proj.weight"] is kinds[h + "up_proj.weight"] is QuantKind.Q8_0
+    exact = (a + "q_proj.weight", a + "v_proj.weight", b + "q_proj.weight", e + "q_proj.weight", f + "gate_proj.weight",
+             g + "q_proj.weight", g + "k_proj.weight", g + "v_proj.weight")  # fmt: skip
     for name in exact:
         before, after = tensors[name], out.tensors[name]
         assert isinstance(before, Packed)
         assert torch.equal(after.dequantize() if isinstance(after, Packed) else after, before.dequantize())
     assert out.converted["Q4_0->Q4_1"] == out.converted["Q5_0->Q8_0"] == out.converted["Q4_0->Q5_0"] == 0.0
-    assert 0 < out.converted["Q4_1->Q8_0"] < 0.01
+    assert out.converted["Q4_1->Q5_1"] == out.converted["Q5_0->Q5_1"] == out.converted["Q4_0->Q5_1"] == 0.0
+    assert 0 < out.converted["Q4_1->Q8_0"] < 0.01 and 0 < out.converted["Q5_1->Q8_0"] < 0.01
     assert out.converted["Q4_K->Q4_1"] == 1e-4  # the import's conversions carried
 
 
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K tensors become Q4_1 (the manifest states the conversion's error), the Q5_0 ones stay;
+    """As stored, the Q4_K tensors become Q4_1 (the manifest states the conversion's error), the Q5_0 and Q5_1
+    ones stay;
     the engine's reference path on that build gives the same next-token distributions as on the dense build
     of the same file (gguf's dequantisation) within the fp16 rounding of the scales, and the fast path
     (integer kernels, the compiled step) runs on it."""
@@ -217,6 +225,8 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     down, q = ck.tensors["model.layers.3.mlp.down_proj.weight"], ck.tensors["model.layers.3.self_attn.q_proj.weight"]
     assert isinstance(down, Packed) and down.kind is QuantKind.Q4_1
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
+    up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
+    assert isinstance(up, Packed) and up.kind is QuantKind.Q5_1
     assert set(ck.converted) == {"Q4_K->Q4_1"} and 0 < ck.converted["Q4_K->Q4_1"] < 1e-3
 
     stored = build_engine(str(src), tmp_path / "as-stored", BuildOptions(dtype=DType.FLOAT32), progress=False)
@@ -237,5 +247,5 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
         assert sum(diff) / len(diff) < 0.01 and max(diff) < 0.1, diff  # measured: mean 0.003-0.006, max 0.04
         assert top1_agreement(a, b) >= 0.95
     fast = LLMEngine(EngineConfig(engine_dir=stored, num_pages=64, fast_cpu=True), load_tokenizer=False)
-    assert "q4_1+q5_0+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
+    assert "q4_1+q5_0+q5_1+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
     assert len(fast.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8

@@ -24,7 +24,7 @@ from torch_engine.kernels import cpu_kernels
 from torch_engine.quant import QuantKind, from_gguf_blocks, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q8_0]
+KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q8_0]
 
 
 @pytest.fixture(scope="module")
@@ -104,28 +104,29 @@ def test_every_path_computes_the_product_of_the_quantized_activations(
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
-def test_every_path_computes_q5_0_as_its_q8_0_conversion(
-    paths: dict[str, ctypes.CDLL], n: int, k: int, rows: int
+@pytest.mark.parametrize(("src", "dst"), [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1)])
+def test_every_path_computes_the_same_values_in_two_formats_the_same(
+    paths: dict[str, ctypes.CDLL], n: int, k: int, rows: int, src: QuantKind, dst: QuantKind
 ) -> None:
-    """Q5_0 and the Q8_0 blocks of the same values (``d * (q - 16)``) give the same integer sums, so the SIMD
-    paths' results are bit-identical between them, the scalar loops' within float rounding (20 rows take the
-    per-group unpacking on AVX-512)."""
+    """The builder's exact changes of format (Q5_0 -> the Q8_0 blocks ``d * (q - 16)``; Q4_1 -> Q5_1, the 5th bits
+    0) keep the integer sums, so the SIMD paths' results are bit-identical between them, the scalar loops' within
+    float rounding (20 rows take the per-group unpacking on AVX-512)."""
     from builders.gguf_convert import _as
 
     rng = np.random.default_rng(n + rows)
-    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType.Q5_0)
-    p5 = from_gguf_blocks(QuantKind.Q5_0, raw, (n, k))
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType(int(src)))
+    a = from_gguf_blocks(src, raw, (n, k))
     kernels = cpu_kernels()
     assert kernels is not None
     parts = {}
-    for p in (p5, _as(p5, QuantKind.Q8_0)):
+    for p in (a, _as(a, dst)):
         g = group(p, kernels)
         parts[p.kind] = [g.qs.numpy(), g.d.view(torch.int16).numpy(), g.m.view(torch.int16).numpy()]
     x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
     for lvl, so in paths.items():
-        y5, _ = _run(so, QuantKind.Q5_0, parts[QuantKind.Q5_0], n, x, None, None)
-        y8, _ = _run(so, QuantKind.Q8_0, parts[QuantKind.Q8_0], n, x, None, None)
+        ya, _ = _run(so, src, parts[src], n, x, None, None)
+        yb, _ = _run(so, dst, parts[dst], n, x, None, None)
         if so.qgemm_path() == b"scalar":  # plain loops: -ffast-math may sum a row's blocks in another order
-            assert np.allclose(y5, y8, rtol=1e-6, atol=1e-6), lvl
+            assert np.allclose(ya, yb, rtol=1e-6, atol=1e-6), lvl
         else:
-            assert np.array_equal(y5, y8), lvl
+            assert np.array_equal(ya, yb), lvl

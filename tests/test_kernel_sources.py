@@ -6,8 +6,8 @@ to PyTorch ops (``cpu_kernels`` logs it). That happened: from 2026-12-02 03:35 t
 called ``split()`` / ``unsplit()``, defined only under ``__AVX512F__``, from code every build compiles, so
 on AVX2-only CPUs no kernel built at all. Here the sources are built for real for ``x86-64-v3`` (AVX2 +
 FMA + F16C: what an AVX2-only CPU builds, into the build cache, which ``tests/e2e/test_avx2_build.py``
-shares: whichever runs first builds it) and each is compiled (syntax and templates, no code generated) for ``x86-64`` (the scalar
-loops).
+shares: whichever runs first builds it) and each is compiled (syntax and templates, no code generated) for
+``x86-64`` (the scalar loops).
 """
 
 from __future__ import annotations

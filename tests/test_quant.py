@@ -34,7 +34,7 @@ from torch_engine.layers import Linear
 from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, group, narrow
 from torch_engine.sampling import SamplingParams
 
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q8_0]
+KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q8_0]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_the_precise_gemm_also_multiplies_the_rounding_residual(kernels: ModuleT
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantKind) -> None:
     """Column cuts (TP's row-parallel split), row cuts and stacks (q, k, v -> qkv) carry every part of the
-    packed form (Q4_1's minimums, Q5_0's 5th bits) along."""
+    packed form (Q4_1 / Q5_1's minimums, Q5's 5th bits) along."""
     p, _ = _packed(kind, 8, 128, seed=3)
     dense = p.dequantize()
     cols = narrow(p, 1, 32, 64)
@@ -275,18 +275,35 @@ def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantK
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
-def test_q5_0_computes_exactly_what_its_q8_0_conversion_did(kernels: ModuleType, rows: int) -> None:
-    """Q5_0 was converted to Q8_0 (``d * (q - 16)`` as it stands) before it was kept: the integer sums are the
-    same, so the GEMM's result is bit-identical (the SIMD kernels), at decode row counts and past the per-group
-    unpacking."""
+@pytest.mark.parametrize(("src", "dst"), [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1)])
+def test_the_same_values_in_two_formats_compute_the_same(
+    kernels: ModuleType, rows: int, src: QuantKind, dst: QuantKind
+) -> None:
+    """The builder's exact changes of format keep the integer sums, so the GEMM's result is bit-identical (the SIMD
+    kernels), at decode row counts and past the per-group unpacking: Q5_0 as the Q8_0 ``d * (q - 16)`` it was
+    converted to before it was kept; Q4_1 as Q5_1 (the 5th bits 0: a fused group of Q4_1 and Q5 weights)."""
     from builders.gguf_convert import _as
 
-    p5, _ = _packed(QuantKind.Q5_0, 200, 320, seed=rows)
-    p8 = _as(p5, QuantKind.Q8_0)
-    assert p8.kind is QuantKind.Q8_0 and torch.equal(p8.dequantize(), p5.dequantize())
+    a_p, _ = _packed(src, 200, 320, seed=rows)
+    b_p = _as(a_p, dst)
+    assert b_p.kind is dst and torch.equal(b_p.dequantize(), a_p.dequantize())
     x, bias = torch.randn(rows, 320), torch.randn(200)
-    a, b = group(p5, kernels), group(p8, kernels)
+    a, b = group(a_p, kernels), group(b_p, kernels)
     # the scalar loops may sum a row's blocks in another order per format (-ffast-math): rounding apart
     same = torch.equal if kernels.i8_path() != "scalar" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
     assert same(a.gemm(kernels, x, bias), b.gemm(kernels, x, bias))
     assert same(a.gemm(kernels, x, bias, precise=True), b.gemm(kernels, x, bias, precise=True))
+
+
+@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1])
+def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
+    """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their
+    remainders; past 16 rows on AVX-512, each group unpacked to a byte a weight first) and all compute the same
+    integer sums in the same float order: 40 rows at once equal each row alone, bit for bit (SIMD kernels)."""
+    p, _ = _packed(kind, 72, 256, seed=5)
+    g = group(p, kernels)
+    x, bias = torch.randn(40, 256), torch.randn(72)
+    together = g.gemm(kernels, x, bias)
+    alone = torch.cat([g.gemm(kernels, x[r : r + 1], bias) for r in range(40)])
+    same = torch.equal if kernels.i8_path() != "scalar" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
+    assert same(together, alone)

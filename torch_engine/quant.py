@@ -2,17 +2,17 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
-``Q8_0``, ``Q5_0``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each
+``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each
 for the kernels, and plain tensors for safetensors):
 
 - ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (Q4 / Q5: byte j of a block holds
   element j's low 4 bits in its low nibble and element j + 16's in its high one, GGUF's order);
 - ``d``: each block's scale, ``[N, K / 32]`` float16;
-- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 only);
-- ``h``: the 5th bits, ``[N, K / 8]`` uint8 (Q5_0 only: a block's 4 bytes, bit e of them element e's, GGUF's
-  little-endian ``qh``).
+- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1 only);
+- ``h``: the 5th bits, ``[N, K / 8]`` uint8 (Q5_0 and Q5_1 only: a block's 4 bytes, bit e of them element e's,
+  GGUF's little-endian ``qh``).
 
-Element values: Q8_0 ``d * q``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, computed in
+Element values: Q8_0 ``d * q``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 and Q5_1 ``d * q + m``, computed in
 fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
@@ -42,21 +42,24 @@ class QuantKind(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one 32-element block in a GGUF file (scale, [minimum or 5th bits,] quants)."""
-        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q8_0: 34}[self]
+        """Bytes of one 32-element block in a GGUF file (scale, [minimum,] [5th bits,] quants)."""
+        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34}[
+            self
+        ]
 
     @property
     def has_min(self) -> bool:
-        return self is QuantKind.Q4_1
+        return self in (QuantKind.Q4_1, QuantKind.Q5_1)
 
     @property
     def has_high(self) -> bool:
         """Whether a 5th bit per weight is stored apart (``Packed.h``)."""
-        return self is QuantKind.Q5_0
+        return self in (QuantKind.Q5_0, QuantKind.Q5_1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +117,14 @@ class Packed:
         d = self.d.float().reshape(n, nb, 1)
         if self.kind is QuantKind.Q8_0:
             w = self.qs.reshape(n, nb, BLOCK).float() * d
-        elif self.kind is QuantKind.Q4_1:
-            assert self.m is not None
+        elif self.m is not None:  # Q4_1, Q5_1
             w = d * self.quants().float() + self.m.float().reshape(n, nb, 1)
         else:
             w = d * (self.quants().float() - (16 if self.kind is QuantKind.Q5_0 else 8))
         return w.reshape(n, k).to(dtype)
 
     def quants(self) -> torch.Tensor:
-        """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; Q5_0's 5th
+        """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; Q5's 5th
         bits included)."""
         n, k = self.shape
         raw = self.qs.reshape(n, k // BLOCK, BLOCK // 2)
@@ -160,10 +162,11 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
     if kind is QuantKind.Q8_0:
         qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).reshape(n, k)
         return Packed(kind, qs, d)
-    first = 6 if kind.has_high else (4 if kind.has_min else 2)
+    at = 4 if kind.has_min else 2  # a block: d, [m,] [qh (4 bytes),] qs
+    first = at + 4 if kind.has_high else at
     qs = torch.from_numpy(blocks[:, :, first:].copy()).reshape(n, k // 2)
     m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)).reshape(n, k // BLOCK) if kind.has_min else None
-    h = torch.from_numpy(blocks[:, :, 2:6].copy()).reshape(n, k // 8) if kind.has_high else None
+    h = torch.from_numpy(blocks[:, :, at:first].copy()).reshape(n, k // 8) if kind.has_high else None
     return Packed(kind, qs, d, m, h)
 
 
@@ -171,7 +174,7 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
 class Grouped:
     """A ``Packed`` weight ``[n, k]`` repacked for the integer kernels (``csrc/qgemm.h``): quants
     ``qs`` in groups of 16 interleaved output rows, scales ``d`` / minimums ``m`` ``[groups, k / 32, 16]``
-    (``m`` empty unless Q4_1)."""
+    (``m`` empty unless Q4_1 / Q5_1)."""
 
     kind: QuantKind
     n: int

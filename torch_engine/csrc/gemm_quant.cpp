@@ -4,7 +4,7 @@
 // tiles). The decode shape: a few rows, each weight read once per step at its packed size (Q4_1: 0.625
 // bytes a weight, 6.4x less than fp32).
 //
-//   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]   (m: Q4_1's, h: Q5_0's)
+//   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]   (m: Q4_1 / Q5_1's, h: Q5_0 / Q5_1's)
 //   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
 //   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty, precise) -> [R, N] in x's dtype (fp32 or bf16)
 //   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
@@ -23,7 +23,6 @@ namespace {
 
 using disagg_q::BLOCK;
 using disagg_q::Q4_0;
-using disagg_q::Q4_1;
 using disagg_q::Q5_0;
 using disagg_q::Q8_0;
 
@@ -44,41 +43,42 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   w.K = NB * disagg_q::BLOCK;
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
   w.d = static_cast<const uint16_t*>(d.data_ptr());
-  if (kind == Q4_1) {
+  if (disagg_q::has_min(k)) {
     TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.element_size() == 2 && m.is_contiguous(),
-                "Q4_1 needs m16 shaped as d16");
+                "Q4_1 / Q5_1 need m16 shaped as d16");
     w.m = static_cast<const uint16_t*>(m.data_ptr());
   }
   return w;
 }
 
 // The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32], h [N, K/8]) -> [qs16, d16, m16 or empty]
-// (qgemm.h; Q5_0's 5th bits go into qs16).
+// (qgemm.h; Q5's 5th bits go into qs16).
 std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                       torch::Tensor h) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(), "d must be [N, K/32] fp16");
   const int64_t N = d.size(0), K = d.size(1) * BLOCK, NB = K / BLOCK, G = (N + 15) / 16;
+  const auto k = static_cast<disagg_q::Kind>(kind);
+  const bool with_min = disagg_q::has_min(k), with_high = disagg_q::has_high(k);
   const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
-  if (kind == Q4_1)
+  if (with_min)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
-                "Q4_1 needs m [N, K/32] fp16");
-  if (kind == Q5_0)
+                "Q4_1 / Q5_1 need m [N, K/32] fp16");
+  if (with_high)
     TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8,
-                "Q5_0 needs h [N, K/8] (uint8)");
-  const uint8_t* hsrc = kind == Q5_0 ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
+                "Q5_0 / Q5_1 need h [N, K/8] (uint8)");
+  const uint8_t* hsrc = with_high ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
   const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dsrc = d.data_ptr<at::Half>();
-  const at::Half* msrc = kind == Q4_1 ? m.data_ptr<at::Half>() : nullptr;
-  const auto k = static_cast<disagg_q::Kind>(kind);
+  const at::Half* msrc = with_min ? m.data_ptr<at::Half>() : nullptr;
   const int64_t BB = disagg_q::Q16::block_bytes(k);
   auto qs16 = torch::zeros({G * NB * BB}, torch::TensorOptions().dtype(torch::kUInt8));
   auto d16 = torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf));
-  auto m16 = kind == Q4_1 ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf)) : torch::Tensor();
+  auto m16 = with_min ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf)) : torch::Tensor();
   uint8_t* out = qs16.data_ptr<uint8_t>();
   at::Half* dout = d16.data_ptr<at::Half>();
-  at::Half* mout = kind == Q4_1 ? m16.data_ptr<at::Half>() : nullptr;
+  at::Half* mout = with_min ? m16.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j = 0; j < 16 && g * 16 + j < N; ++j) {
@@ -117,7 +117,7 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
         }
       }
   });
-  return {qs16, d16, kind == Q4_1 ? m16 : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf))};
+  return {qs16, d16, with_min ? m16 : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf))};
 }
 
 struct QuantizedAct {
@@ -205,24 +205,22 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
     if (w.kind == Q8_0) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
-    } else if (w.kind == Q5_0) {
+    } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m
+      const bool with_min = disagg_q::has_min(w.kind), with_high = disagg_q::has_high(w.kind);
+      const float mn = with_min ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
+      const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : 0);
+      auto value = [&](int q) { return with_min ? d * static_cast<float>(q) + mn : d * static_cast<float>(q + offset); };
       for (int64_t c = 0; c < 4; ++c)
         for (int64_t i = 0; i < 4; ++i) {
           const uint8_t byte = blk[c * 64 + j * 4 + i];
           const int bit = static_cast<int>(j * 4 + i);
-          const int lo = (byte & 0x0F) | static_cast<int>((disagg_q::high_bits(blk, 2 * c) >> bit) & 1) << 4;
-          const int hi = (byte >> 4) | static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1) >> bit) & 1) << 4;
-          o[8 * c + i] = d * static_cast<float>(lo - 16);
-          o[8 * c + 4 + i] = d * static_cast<float>(hi - 16);
-        }
-    } else {
-      const float mn = w.kind == Q4_1 ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
-      for (int64_t c = 0; c < 4; ++c)
-        for (int64_t i = 0; i < 4; ++i) {
-          const uint8_t byte = blk[c * 64 + j * 4 + i];
-          const float lo = static_cast<float>(byte & 0x0F), hi = static_cast<float>(byte >> 4);
-          o[8 * c + i] = w.kind == Q4_0 ? d * (lo - 8.f) : d * lo + mn;
-          o[8 * c + 4 + i] = w.kind == Q4_0 ? d * (hi - 8.f) : d * hi + mn;
+          int lo = byte & 0x0F, hi = byte >> 4;
+          if (with_high) {
+            lo |= static_cast<int>((disagg_q::high_bits(blk, 2 * c) >> bit) & 1) << 4;
+            hi |= static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1) >> bit) & 1) << 4;
+          }
+          o[8 * c + i] = value(lo);
+          o[8 * c + 4 + i] = value(hi);
         }
     }
   }

@@ -1,4 +1,4 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q5_0 / Q4_0 / Q4_1, blocks of 32 along K) and activations
+// Integer GEMM over block-quantized weights (Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and activations
 // quantized to int8 per 32-block, as llama.cpp computes: y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i
 // (+ the format's offset term). Shared by gemm_quant.cpp (the Python-facing GEMM) and decode_step.cpp
 // (the fused decode step), so both compute bit-identical results.
@@ -9,10 +9,10 @@
 // it with 4 broadcast activation bytes and accumulates 16 outputs at once, with no horizontal sums.
 //   Q4: 4 chunks a block; chunk c's low nibbles are k = 8c..8c+3, its high nibbles k = 8c+4..8c+7.
 //   Q8: 8 chunks a block; chunk c holds k = 4c..4c+3 (signed bytes).
-//   Q5: Q4's 4 chunks (the low 4 bits), then 8 64-bit words of the 5th bits: word v = 2c + h stands for the
-//       vector of chunk c's low (h = 0) or high (h = 1) nibbles, its bit j * 4 + i the 5th bit of that
-//       vector's byte j * 4 + i (an AVX-512 byte mask as it stands; AVX2 takes its half's 32 bits).
-//   Scales (and Q4_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
+//   Q5 (Q5_0, Q5_1): Q4's 4 chunks (the low 4 bits), then 8 64-bit words of the 5th bits: word v = 2c + h
+//       stands for the vector of chunk c's low (h = 0) or high (h = 1) nibbles, its bit j * 4 + i the 5th bit
+//       of that vector's byte j * 4 + i (an AVX-512 byte mask as it stands; AVX2 takes its half's 32 bits).
+//   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
 // [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s). The error of the product is that of the activations'
@@ -20,7 +20,8 @@
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
-//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks;
+//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (past 16
+//                rows each group of Q5 unpacked once to a byte a weight: groups_q5_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 by the sign trick (|x| x sign(w, x));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
@@ -61,8 +62,13 @@ template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };  // GGML's type ids
-inline bool known_kind(int64_t k) { return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q8_0; }
+// GGML's type ids; and U8_MIN, never stored: a Q5_1 group unpacked to one unsigned byte a weight (Q8's layout,
+// the q of 0..31 as they are, Q5_1's scales and minimums), which AVX-512 computes past 16 rows.
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, U8_MIN = 1007 };
+inline bool known_kind(int64_t k) { return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0; }
+constexpr bool has_min(Kind k) { return k == Q4_1 || k == Q5_1 || k == U8_MIN; }  // + m * dx * s
+constexpr bool has_high(Kind k) { return k == Q5_0 || k == Q5_1; }                // 5th bits behind the nibbles
+constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN; }           // a byte a weight
 
 inline const char* i8_path() {
 #if defined(DISAGG_I8_AVX512)
@@ -107,12 +113,12 @@ struct Q16 {
   int64_t N = 0, K = 0;
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;  // Q4_1 only
-  int64_t first_group = 0;      // qs starts at this group (a Q5_0 group's copy unpacked to Q8_0)
+  const uint16_t* m = nullptr;  // has_min(kind) only
+  int64_t first_group = 0;      // qs starts at this group (a Q5 group's copy unpacked to a byte a weight)
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
   static constexpr int64_t block_bytes(Kind k) {
-    return k == Q8_0 ? 512 : (k == Q5_0 ? 256 + 64 : 256);
+    return byte_quants(k) ? 512 : (has_high(k) ? 256 + 64 : 256);
   }
   int64_t group_bytes() const { return NB() * block_bytes(kind); }
   const uint8_t* group_qs(int64_t g) const { return qs + (g - first_group) * group_bytes(); }
@@ -123,7 +129,7 @@ struct ActQ8 {
   const int8_t* q = nullptr;   // [R, K]
   const float* dx = nullptr;   // [R, NB]
   const int32_t* s = nullptr;  // [R, NB]
-  const float* dxs = nullptr;  // [R, NB]: dx * s (Q4_1's minimum term)
+  const float* dxs = nullptr;  // [R, NB]: dx * s (the minimum's term)
   int64_t K = 0;
 };
 
@@ -173,7 +179,7 @@ inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int
 // y[(r0 + r) * ldy + g * 16 + j] = sum over blocks (+ bias[g * 16 + j]) for j < 16 and g * 16 + j < N.
 
 // Where a block's integer sum starts: the format's offset times the activations' quant sum s (Q4_0's -8,
-// Q5_0's -16; Q8_0 on AVX-512 its +128 u8 offset; Q4_1 none: its minimum is a float term).
+// Q5_0's -16; Q8_0 on AVX-512 its +128 u8 offset; Q4_1 / Q5_1 none: their minimum is a float term).
 template <Kind KD>
 constexpr int32_t offset() {
   return KD == Q4_0 ? -8 : (KD == Q5_0 ? -16 : 0);
@@ -200,7 +206,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   const int64_t NB = w.NB(), K = w.K;
   const uint8_t* qg = w.group_qs(g);
   const uint16_t* dg = w.d + g * NB * GROUP;
-  const uint16_t* mg = KD == Q4_1 ? w.m + g * NB * GROUP : nullptr;
+  const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i b5 = _mm512_set1_epi8(0x10);
   __m512 acc[R];
@@ -211,18 +217,20 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     __m512i wv[8];
     if constexpr (KD == Q8_0) {
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
+    } else if constexpr (KD == U8_MIN) {
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(qb + c * 64);
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(qb + c * 64);
         wv[2 * c] = _mm512_and_si512(v, low4);
         wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      if constexpr (KD == Q5_0)
+      if constexpr (has_high(KD))
         for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * GROUP)));
     __m512 mv = _mm512_setzero_ps();
-    if constexpr (KD == Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    if constexpr (has_min(KD)) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
@@ -241,7 +249,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       }
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
-      if constexpr (KD == Q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      if constexpr (has_min(KD)) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
   }
   const int64_t n0 = g * GROUP;
@@ -261,14 +269,16 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 }
 constexpr int TILE_ROWS = 8;
 
-// One Q5_0 block -> the Q8_0 block of the same values (q - 16, signed; Q8's layout).
+// One Q5 block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values (q - 16,
+// signed), Q5_1's as U8_MIN (q, unsigned).
+template <Kind KD>
 inline void unpack_q5_block(const uint8_t* qb, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), b5 = _mm512_set1_epi8(0x10);
   for (int v = 0; v < 8; ++v) {
     const __m512i raw = _mm512_loadu_si512(qb + (v / 2) * 64);
     const __m512i q = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(raw, 4) : raw, low4);
     const __m512i q5 = _mm512_mask_add_epi8(q, _cvtu64_mask64(high_bits(qb, v)), q, b5);
-    _mm512_storeu_si512(out + v * 64, _mm512_sub_epi8(q5, b5));
+    _mm512_storeu_si512(out + v * 64, KD == Q5_0 ? _mm512_sub_epi8(q5, b5) : q5);
   }
 }
 
@@ -297,7 +307,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   const int64_t NB = w.NB(), K = w.K;
   const uint8_t* qg = w.group_qs(g) + h * 32;  // (the 5th bits: qb - h * 32, see half_bits)
   const uint16_t* dg = w.d + g * NB * GROUP + h * 8;
-  const uint16_t* mg = KD == Q4_1 ? w.m + g * NB * GROUP + h * 8 : nullptr;
+  const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP + h * 8 : nullptr;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
@@ -305,9 +315,9 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
     if (h == 0) prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);  // the lines of both halves
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * GROUP)));
     __m256 mv = _mm256_setzero_ps();
-    if constexpr (KD == Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
+    if constexpr (has_min(KD)) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
     __m256i w5[8];  // Q5: the block's 5-bit quants, unpacked once for all rows
-    if constexpr (KD == Q5_0)
+    if constexpr (has_high(KD))
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
         w5[2 * c] = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits(half_bits(qb, 2 * c, h)));
@@ -326,7 +336,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
           const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wq, xb));
           a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
         }
-      } else if constexpr (KD == Q5_0) {
+      } else if constexpr (has_high(KD)) {
         // 2 products of <= 31 * 127 per 16-bit lane pair (at most 15,748) before each widening: no saturation
         a = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
@@ -349,7 +359,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       if constexpr (offset<KD>() != 0) a = _mm256_add_epi32(a, _mm256_set1_epi32(offset<KD>() * s));
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
-      if constexpr (KD == Q4_1) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      if constexpr (has_min(KD)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
   }
 }
@@ -378,7 +388,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     const uint8_t* qb = w.group_qs(g) + b * BB;
     for (int64_t j = 0; j < GROUP; ++j) {
       const float d = fp16_to_float(w.d[(g * NB + b) * GROUP + j]);
-      const float mn = KD == Q4_1 ? fp16_to_float(w.m[(g * NB + b) * GROUP + j]) : 0.0f;
+      const float mn = has_min(KD) ? fp16_to_float(w.m[(g * NB + b) * GROUP + j]) : 0.0f;
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = x.q + row * K + b * BLOCK;
@@ -391,7 +401,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = qb[c * 64 + j * 4 + i];
               int32_t lo = byte & 0x0F, hi = byte >> 4;
-              if constexpr (KD == Q5_0) {
+              if constexpr (has_high(KD)) {
                 lo |= static_cast<int32_t>((high_bits(qb, 2 * c) >> (j * 4 + i)) & 1) << 4;
                 hi |= static_cast<int32_t>((high_bits(qb, 2 * c + 1) >> (j * 4 + i)) & 1) << 4;
               }
@@ -402,7 +412,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
         dot += offset<KD>() * s;
         const float dx = x.dx[row * NB + b];
         vals[r][j] += static_cast<float>(dot) * (d * dx);
-        if constexpr (KD == Q4_1) vals[r][j] += mn * x.dxs[row * NB + b];
+        if constexpr (has_min(KD)) vals[r][j] += mn * x.dxs[row * NB + b];
       }
     }
   }
@@ -417,27 +427,29 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
                         const float* bias, bool accumulate);
 
 #if defined(DISAGG_I8_AVX512)
-// Q5_0 over many rows on AVX-512: each group unpacked once into the Q8_0 blocks of the same values, and every
-// tile of rows run on that copy (in L1 / L2) by the Q8_0 kernel, instead of unpacking each block again per
+// Q5 over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks of the same
+// values; Q5_1: U8_MIN), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per
 // tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4). Not on AVX2: its Q8_0 kernel (the
 // sign trick) costs more per row than Q5_0's unsigned products there (the AVX2 build's GEMMs at 9 rows 0.87x,
 // at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t Q5_UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
 
+template <Kind KD>
 inline void groups_q5_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
                                int64_t ldy, const float* bias, bool accumulate) {
+  constexpr Kind UK = KD == Q5_0 ? Q8_0 : U8_MIN;
   thread_local std::vector<uint8_t> buf;  // (the step's parallel region: grows once to the widest K, never throws
                                           // in practice: 16 KB per 1,000 columns)
-  const int64_t NB = w.NB(), BB = Q16::block_bytes(Q5_0), XB = Q16::block_bytes(Q8_0);
+  const int64_t NB = w.NB(), BB = Q16::block_bytes(KD), XB = Q16::block_bytes(UK);
   buf.resize(static_cast<size_t>(NB * XB));
   Q16 wx = w;
-  wx.kind = Q8_0;
+  wx.kind = UK;
   wx.qs = buf.data();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = w.group_qs(g);
-    for (int64_t b = 0; b < NB; ++b) unpack_q5_block(qg + b * BB, buf.data() + b * XB);
+    for (int64_t b = 0; b < NB; ++b) unpack_q5_block<KD>(qg + b * BB, buf.data() + b * XB);
     wx.first_group = g;
-    groups_kind<Q8_0>(wx, x, R, g, g + 1, y, ldy, bias, accumulate);
+    groups_kind<UK>(wx, x, R, g, g + 1, y, ldy, bias, accumulate);
   }
 }
 #endif
@@ -446,8 +458,8 @@ template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
 #if defined(DISAGG_I8_AVX512)
-  if constexpr (KD == Q5_0) {
-    if (R > Q5_UNPACK_ROWS) return groups_q5_unpacked(w, x, R, g0, g1, y, ldy, bias, accumulate);
+  if constexpr (has_high(KD)) {
+    if (R > Q5_UNPACK_ROWS) return groups_q5_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
 #endif
   for (int64_t g = g0; g < g1; ++g) {
@@ -473,6 +485,8 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q4_0: groups_kind<Q4_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q4_1: groups_kind<Q4_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_0: groups_kind<Q5_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q5_1: groups_kind<Q5_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case U8_MIN: break;  // never stored (groups_q5_unpacked's copy)
   }
 }
 
