@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
 import torch_engine.kernels as tk
-from bench.engine import decode_step_ms
+from bench.ab import alternate
 from bench.gguf_rewrite import rewrite
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
@@ -35,7 +34,6 @@ from torch_engine.config import DType, EngineConfig, PrefixCacheConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
 from torch_engine.quant import QuantKind, from_gguf_blocks
-from torch_engine.sampling import SamplingParams
 
 T = GGMLQuantizationType
 ROOT = Path("/tmp/kqm")
@@ -76,13 +74,6 @@ def q5_0_as_q8_0(src: Path, dst: Path) -> int:
     return rewrite(src, dst, convert)
 
 
-def prefill_tok_s(engine: LLMEngine, length: int = 256) -> float:
-    prompt = [int(v) for v in torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(7))]
-    t = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    return length / (time.perf_counter() - t)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--make", action="store_true", help="write the Q4_K_M file with llama.cpp's quantizer first")
@@ -115,19 +106,9 @@ def main() -> None:
             for n, d in dirs.items()
         }  # fmt: skip
         result["kernel_path"] = {n: e.kernel_path for n, e in engines.items()}
-        points: dict[str, tuple[str, object]] = {f"b{b}": ("ms", b) for b in a.batches} | {"prefill": ("tok/s", 0)}
-        for key, (unit, batch) in points.items():
-            runs: dict[str, list[float]] = {"q5_0": [], "as_q8_0": []}
-            for i in range(5):
-                for n in ("q5_0", "as_q8_0") if i % 2 == 0 else ("as_q8_0", "q5_0"):
-                    e = engines[n]
-                    runs[n].append(decode_step_ms(e, int(batch)) if unit == "ms" else prefill_tok_s(e))  # type: ignore[arg-type]
-            new, before = statistics.median(runs["q5_0"]), statistics.median(runs["as_q8_0"])
-            ratios = [b / n if unit == "ms" else n / b for n, b in zip(runs["q5_0"], runs["as_q8_0"], strict=True)]
-            speedup = statistics.median(ratios)
-            result[f"{threads}t {key}"] = {"q5_0": new, "as_q8_0": before, "speedup": speedup, "runs": runs}
-            print(f"threads {threads} {key}: Q5_0 kept {new:.2f} {unit}, as Q8_0 {before:.2f} {unit}, x{speedup:.2f}",
-                  flush=True)  # fmt: skip
+        print(f"threads {threads}", flush=True)
+        points = alternate(("q5_0", engines["q5_0"]), ("as_q8_0", engines["as_q8_0"]), a.batches)
+        result |= {f"{threads}t {key}": point for key, point in points.items()}
     a.out.write_text(json.dumps(result, indent=1))
 
 

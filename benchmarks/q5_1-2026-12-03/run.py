@@ -1,0 +1,105 @@
+"""Q5_1 kept as stored vs converted to Q8_0 (the engine before), on llama.cpp's own Q5_K_M of SmolLM2.
+
+llama.cpp's Q5_K_M falls back to Q5_1 wherever a row is not a multiple of Q5_K's 256 weights: in SmolLM2 every
+576-column tensor (q, k, o, gate, up; v where it is not Q6_K's fallback, Q8_0). Until this change the builder
+requantized Q5_1 to Q8_0 by gguf's quantizer, so the engine read 8.5 bits a weight where the file holds 6. Two
+engines in one process: one built from the file (Q5_1 kept), one from a copy whose Q5_1 tensors were rewritten
+as the Q8_0 the old conversion produced (gguf's quantizer over gguf's dequantisation: the same blocks). Each
+point alternates the two, 5 pairs (``bench.ab.alternate``): medians, and the median of the pairs' ratios.
+
+Needs llama.cpp's binding (``make bench-peers``) to write the Q5_K_M file.
+Run from the repository root: ``.venv/bin/python benchmarks/q5_1-2026-12-03/run.py OUT.json [--march x86-64-v3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize, quantize
+
+import torch_engine.kernels as tk
+from bench.ab import alternate
+from bench.gguf_rewrite import rewrite
+from builders import BuildOptions, build_engine
+from builders.embedded import smollm2_gguf
+from torch_engine.config import DType, EngineConfig, EngineManifest, PrefixCacheConfig
+from torch_engine.cpu import cpu_info
+from torch_engine.engine import LLMEngine
+
+T = GGMLQuantizationType
+ROOT = Path("/tmp/k5m")
+K5M = ROOT / "smollm2-q5_k_m.gguf"
+
+
+def make_q5_k_m() -> None:
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M
+    p.allow_requantize = True
+    p.nthread = 2
+    ROOT.mkdir(parents=True, exist_ok=True)
+    assert llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(K5M).encode(), ctypes.byref(p)) == 0
+
+
+def q5_1_as_q8_0(src: Path, dst: Path) -> int:
+    """``src`` with every Q5_1 tensor requantized to Q8_0 as the old builder did (gguf's quantizer)."""
+
+    def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
+        if t.tensor_type is not T.Q5_1:
+            return None
+        n, k = int(t.shape[1]), int(t.shape[0])
+        dense = np.asarray(dequantize(t.data, T.Q5_1), dtype=np.float32).reshape(n, k)
+        return np.asarray(quantize(dense, T.Q8_0)), T.Q8_0
+
+    return rewrite(src, dst, convert)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--march", default=None, help="build the kernels for this -march (x86-64-v3: the AVX2 paths)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("out", type=Path)
+    a = p.parse_args()
+    if a.march:
+        tk.use_march(a.march)
+    if not K5M.exists():
+        make_q5_k_m()
+    old = ROOT / "smollm2-q5_k_m-q5_1as8.gguf"
+    n_q5 = q5_1_as_q8_0(K5M, old)
+    dirs = {}
+    for name, src in (("q5_1", K5M), ("as_q8_0", old)):
+        dirs[name] = build_engine(str(src), ROOT / f"engine-{name}", BuildOptions(dtype=DType.FLOAT32), progress=False)
+    result: dict[str, object] = {
+        "cpu": cpu_info().as_dict(), "march": a.march or "native",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "q5_1_tensors": n_q5, "file_bytes": K5M.stat().st_size,
+        "engine_bytes": {n: (d / "rank0.safetensors").stat().st_size for n, d in dirs.items()},
+        "conversion_error": {n: EngineManifest.load(d).conversion_error for n, d in dirs.items()},
+    }  # fmt: skip
+    print(result, flush=True)
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        engines = {
+            n: LLMEngine(EngineConfig(engine_dir=d, fast_cpu=True, num_pages=1024,
+                                      prefix_cache=PrefixCacheConfig(enabled=False)))
+            for n, d in dirs.items()
+        }  # fmt: skip
+        result["kernel_path"] = {n: e.kernel_path for n, e in engines.items()}
+        print(f"threads {threads}: {result['kernel_path']}", flush=True)
+        points = alternate(("q5_1", engines["q5_1"]), ("as_q8_0", engines["as_q8_0"]), a.batches)
+        result |= {f"{threads}t {key}": point for key, point in points.items()}
+    a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
