@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from bench.engine import decode_step_ms
+from torch_engine.config import EngineConfig, PrefixCacheConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import SamplingParams
 
@@ -45,4 +47,21 @@ def alternate(new: tuple[str, LLMEngine], old: tuple[str, LLMEngine], batches: l
                     "speedup": statistics.median(ratios), "unit": unit, "runs": runs}  # fmt: skip
         print(f"{key}: {new[0]} {out[key][new[0]]:.2f} {unit}, {old[0]} {out[key][old[0]]:.2f} {unit}, "
               f"x{out[key]['speedup']:.2f}", flush=True)  # fmt: skip
+    return out
+
+
+def compare(new: tuple[str, Path], old: tuple[str, Path], threads: list[int], batches: list[int]) -> dict[str, object]:
+    """Two engine directories on the fast CPU path without the prefix cache, ``alternate``d at each thread count:
+    ``kernel_path`` (each side's) and ``{threads}t {point}``."""
+    out: dict[str, object] = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        engines = [
+            (name, LLMEngine(EngineConfig(engine_dir=d, fast_cpu=True, num_pages=1024,
+                                          prefix_cache=PrefixCacheConfig(enabled=False))))
+            for name, d in (new, old)
+        ]  # fmt: skip
+        out["kernel_path"] = {name: e.kernel_path for name, e in engines}
+        print(f"threads {n}: {out['kernel_path']}", flush=True)
+        out |= {f"{n}t {key}": point for key, point in alternate(engines[0], engines[1], batches).items()}
     return out

@@ -39,3 +39,19 @@ def rewrite(src: Path, dst: Path, convert: Convert) -> int:
     writer.write_tensors_to_file()
     writer.close()
     return n
+
+
+def llama_quantize(src: Path, dst: Path, ftype: str) -> None:
+    """``src`` requantized by llama.cpp's own quantizer (its binding: ``make bench-peers``) to ``ftype``, a
+    ``LLAMA_FTYPE_MOSTLY_*`` name (``Q4_K_M``, ``Q5_K_M``): the mixes published files use."""
+    import ctypes
+
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    p.allow_requantize = True
+    p.nthread = 2
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")

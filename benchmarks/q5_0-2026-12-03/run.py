@@ -26,31 +26,17 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
 import torch_engine.kernels as tk
-from bench.ab import alternate
-from bench.gguf_rewrite import rewrite
+from bench.ab import compare
+from bench.gguf_rewrite import llama_quantize, rewrite
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
-from torch_engine.config import DType, EngineConfig, PrefixCacheConfig
+from torch_engine.config import DType
 from torch_engine.cpu import cpu_info
-from torch_engine.engine import LLMEngine
 from torch_engine.quant import QuantKind, from_gguf_blocks
 
 T = GGMLQuantizationType
 ROOT = Path("/tmp/kqm")
 KQM = ROOT / "smollm2-q4_k_m.gguf"
-
-
-def make_q4_k_m() -> None:
-    import ctypes
-
-    import llama_cpp
-
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    p.allow_requantize = True
-    p.nthread = 2
-    ROOT.mkdir(parents=True, exist_ok=True)
-    assert llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(KQM).encode(), ctypes.byref(p)) == 0
 
 
 def q5_0_as_q8_0(src: Path, dst: Path) -> int:
@@ -85,7 +71,7 @@ def main() -> None:
     if a.march:
         tk.use_march(a.march)
     if a.make or not KQM.exists():
-        make_q4_k_m()
+        llama_quantize(smollm2_gguf(), KQM, "Q4_K_M")
     old = ROOT / "smollm2-q4_k_m-q5as8.gguf"
     n_q5 = q5_0_as_q8_0(KQM, old)
     dirs = {}
@@ -98,17 +84,7 @@ def main() -> None:
         "q5_0_tensors": n_q5, "file_bytes": KQM.stat().st_size, "engine_bytes": sizes,
     }  # fmt: skip
     print(result, flush=True)
-    for threads in a.threads:
-        torch.set_num_threads(threads)
-        engines = {
-            n: LLMEngine(EngineConfig(engine_dir=d, fast_cpu=True, num_pages=1024,
-                                      prefix_cache=PrefixCacheConfig(enabled=False)))
-            for n, d in dirs.items()
-        }  # fmt: skip
-        result["kernel_path"] = {n: e.kernel_path for n, e in engines.items()}
-        print(f"threads {threads}", flush=True)
-        points = alternate(("q5_0", engines["q5_0"]), ("as_q8_0", engines["as_q8_0"]), a.batches)
-        result |= {f"{threads}t {key}": point for key, point in points.items()}
+    result |= compare(("q5_0", dirs["q5_0"]), ("as_q8_0", dirs["as_q8_0"]), a.threads, a.batches)
     a.out.write_text(json.dumps(result, indent=1))
 
 

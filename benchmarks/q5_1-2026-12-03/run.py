@@ -14,40 +14,26 @@ Run from the repository root: ``.venv/bin/python benchmarks/q5_1-2026-12-03/run.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize, quantize
 
 import torch_engine.kernels as tk
-from bench.ab import alternate
-from bench.gguf_rewrite import rewrite
+from bench.ab import compare
+from bench.gguf_rewrite import llama_quantize, rewrite
 from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
-from torch_engine.config import DType, EngineConfig, EngineManifest, PrefixCacheConfig
+from torch_engine.config import DType, EngineManifest
 from torch_engine.cpu import cpu_info
-from torch_engine.engine import LLMEngine
 
 T = GGMLQuantizationType
 ROOT = Path("/tmp/k5m")
 K5M = ROOT / "smollm2-q5_k_m.gguf"
-
-
-def make_q5_k_m() -> None:
-    import llama_cpp
-
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M
-    p.allow_requantize = True
-    p.nthread = 2
-    ROOT.mkdir(parents=True, exist_ok=True)
-    assert llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(K5M).encode(), ctypes.byref(p)) == 0
 
 
 def q5_1_as_q8_0(src: Path, dst: Path) -> int:
@@ -73,7 +59,7 @@ def main() -> None:
     if a.march:
         tk.use_march(a.march)
     if not K5M.exists():
-        make_q5_k_m()
+        llama_quantize(smollm2_gguf(), K5M, "Q5_K_M")
     old = ROOT / "smollm2-q5_k_m-q5_1as8.gguf"
     n_q5 = q5_1_as_q8_0(K5M, old)
     dirs = {}
@@ -87,17 +73,7 @@ def main() -> None:
         "conversion_error": {n: EngineManifest.load(d).conversion_error for n, d in dirs.items()},
     }  # fmt: skip
     print(result, flush=True)
-    for threads in a.threads:
-        torch.set_num_threads(threads)
-        engines = {
-            n: LLMEngine(EngineConfig(engine_dir=d, fast_cpu=True, num_pages=1024,
-                                      prefix_cache=PrefixCacheConfig(enabled=False)))
-            for n, d in dirs.items()
-        }  # fmt: skip
-        result["kernel_path"] = {n: e.kernel_path for n, e in engines.items()}
-        print(f"threads {threads}: {result['kernel_path']}", flush=True)
-        points = alternate(("q5_1", engines["q5_1"]), ("as_q8_0", engines["as_q8_0"]), a.batches)
-        result |= {f"{threads}t {key}": point for key, point in points.items()}
+    result |= compare(("q5_1", dirs["q5_1"]), ("as_q8_0", dirs["as_q8_0"]), a.threads, a.batches)
     a.out.write_text(json.dumps(result, indent=1))
 
 
