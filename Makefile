@@ -39,11 +39,12 @@ $(CLIENTS)/.stamp: Makefile
 	done
 	touch $@
 
-# pytest exits 5 when it collects no test: that is not a failure of the suite.
+# pytest exits 5 when it collects no test: that is not a failure of the suite. The 25 slowest tests are listed
+# (CI's time goes mostly to the end-to-end ones).
 test: setup clients
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The quick loop: unit tests only (no servers, deployments or process groups).
 test-fast: setup

@@ -232,7 +232,8 @@ class FusedDecoder {
     l.w.d = static_cast<const uint16_t*>(d.data_ptr());
     l.keep = {qs, d};
     if (disagg_q::has_min(l.w.kind)) {
-      TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.is_contiguous(), "Q4_1 / Q5_1 need m16 shaped as d16");
+      TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.is_contiguous(),
+                  "Q4_1 / Q5_1 need m16 shaped as d16");
       l.w.m = static_cast<const uint16_t*>(m.data_ptr());
       l.keep.push_back(m);
     }

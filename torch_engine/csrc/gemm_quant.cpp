@@ -4,7 +4,8 @@
 // tiles). The decode shape: a few rows, each weight read once per step at its packed size (Q4_1: 0.625
 // bytes a weight, 6.4x less than fp32).
 //
-//   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]   (m: Q4_1 / Q5_1's, h: Q5_0 / Q5_1's)
+//   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]
+//                                                       (m: Q4_1 / Q5_1's, h: Q5_0 / Q5_1's)
 //   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
 //   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty, precise) -> [R, N] in x's dtype (fp32 or bf16)
 //   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
@@ -209,7 +210,9 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       const bool with_min = disagg_q::has_min(w.kind), with_high = disagg_q::has_high(w.kind);
       const float mn = with_min ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
       const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : 0);
-      auto value = [&](int q) { return with_min ? d * static_cast<float>(q) + mn : d * static_cast<float>(q + offset); };
+      auto value = [&](int q) {
+        return with_min ? d * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
+      };
       for (int64_t c = 0; c < 4; ++c)
         for (int64_t i = 0; i < 4; ++i) {
           const uint8_t byte = blk[c * 64 + j * 4 + i];

@@ -1,7 +1,7 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and activations
-// quantized to int8 per 32-block, as llama.cpp computes: y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i
-// (+ the format's offset term). Shared by gemm_quant.cpp (the Python-facing GEMM) and decode_step.cpp
-// (the fused decode step), so both compute bit-identical results.
+// Integer GEMM over block-quantized weights (Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and
+// activations quantized to int8 per 32-block, as llama.cpp computes:
+// y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
+// (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
 //
 // Weights are repacked once at load ("Q16", repack() in gemm_quant.cpp) with GROUP = 16 output rows
 // interleaved: for each group and each 32-block, 64-byte chunks whose byte j * 4 + i belongs to output j
@@ -230,7 +230,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * GROUP)));
     __m512 mv = _mm512_setzero_ps();
-    if constexpr (has_min(KD)) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    if constexpr (has_min(KD))
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
@@ -428,10 +429,10 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
 
 #if defined(DISAGG_I8_AVX512)
 // Q5 over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks of the same
-// values; Q5_1: U8_MIN), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per
-// tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4). Not on AVX2: its Q8_0 kernel (the
-// sign trick) costs more per row than Q5_0's unsigned products there (the AVX2 build's GEMMs at 9 rows 0.87x,
-// at 64 rows 0.96x of Q8_0's with the copy).
+// values; Q5_1: U8_MIN), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of
+// unpacking each block again per tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4).
+// Not on AVX2: its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned products there (the AVX2
+// build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t Q5_UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
 
 template <Kind KD>
