@@ -10,8 +10,8 @@ as-stored`` (the default) each 2-D tensor in such a format becomes one of the en
   with q in 0..15 and 6-bit sc, m: a Q4_1 block with scale ``d * sc`` and minimum ``-dmin * m``. The
   quants are kept; Q4_1 stores scale and minimum in fp16, so those two products are rounded to fp16
   (each within 2^-11 of itself relatively): the only error.
-- Q5_0, Q5_1 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
-- **Every other quantized format** gguf can dequantise (Q5_K, Q6_K, Q2_K, Q3_K, the IQ
+- Q6_K, Q5_0, Q5_1 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
+- **Every other quantized format** gguf can dequantise (Q5_K, Q2_K, Q3_K, the IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
 - F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q5_1 | q5_0 | q4_1 | q4_0`` quantizes them).
@@ -99,7 +99,8 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------
 # llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K; SmolLM2's:
-# attn_v in Q8_0 in some layers, q / k in Q5_0).
+# attn_v in Q8_0 in some layers, q / k in Q5_0). Q6_K neither converts exactly into another format nor another
+# into it (its scales are two-level), so a group mixing it with others becomes Q8_0, the finest.
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
 # The formats each one converts into exactly (the same values; _as), and the order the formats are tried in: the
@@ -110,11 +111,14 @@ _EXACT = {
     QuantKind.Q5_0: {QuantKind.Q5_1, QuantKind.Q8_0},
     QuantKind.Q5_1: set(),
     QuantKind.Q8_0: set(),
+    QuantKind.Q6_K: set(),
 }
 _BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q8_0: 4}
 
 
 def _common(kinds: set[QuantKind]) -> QuantKind:
+    if QuantKind.Q6_K in kinds:
+        return QuantKind.Q8_0
     for kind in sorted(_BITS, key=_BITS.__getitem__):
         if all(k is kind or kind in _EXACT[k] for k in kinds):
             return kind
@@ -124,8 +128,8 @@ def _common(kinds: set[QuantKind]) -> QuantKind:
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
     """``ck`` with the members of each fused group in one format: all packed ones in the smallest format every
     one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0),
-    else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0, the error recorded in
-    ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any mix with Q6_K -> Q8_0; the error
+    recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):

@@ -1,14 +1,17 @@
-"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q5_1 | q5_0 | q4_1 |
-q4_0``).
+"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q6_k | q5_1 | q5_0 |
+q4_1 | q4_0``).
 
 A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
 are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
 kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantizer — the file a
-``llama-quantize`` run would write for those tensors:
+``llama-quantize`` run would write for those tensors — or, for Q6_K, which gguf's Python package cannot
+quantize, by ``quantize_q6_k`` here (a plain round-to-nearest, not llama.cpp's error search):
 
 - the decoder layers' attention projections (q, k, v, o) and dense MLP (gate, up, down): the chosen
-  format (Q8_0: int8 per block of 32 with an fp16 scale; Q5_0: 5 bits with a scale; Q5_1: 5 bits with a
-  scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a minimum);
+  format (Q8_0: int8 per block of 32 with an fp16 scale; Q6_K: 6 bits with an int8 scale per 16 and an fp16
+  one per 256, Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
+  scale; Q5_1: 5 bits with a scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a
+  minimum);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
   keep the output in 6-8 bits: the logits are the most sensitive GEMM);
 - everything else (norms, biases, MLA and MoE weights, rows whose width is not a multiple of 32)
@@ -75,10 +78,46 @@ class QuantReport:
 
 
 def quantize_tensor(w: torch.Tensor, kind: QuantKind) -> Packed:
-    """A dense ``[N, K]`` weight (K a multiple of 32) in ``kind``, by gguf's reference quantizer."""
+    """A dense ``[N, K]`` weight (K a multiple of ``kind.block_weights``) in ``kind``."""
     n, k = w.shape
-    raw = quantize(w.detach().float().numpy(), GGMLQuantizationType(int(kind)))
-    return from_gguf_blocks(kind, np.asarray(raw), (n, k))
+    return from_gguf_blocks(kind, quantize_blocks(w.detach().float().numpy(), kind), (n, k))
+
+
+def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
+    """A dense ``[N, K]`` fp32 array -> its GGUF blocks in ``kind`` (``[N, K / block_weights * block_bytes]``
+    uint8): gguf's reference quantizer, ``quantize_q6_k`` for Q6_K."""
+    if kind is QuantKind.Q6_K:
+        return quantize_q6_k(w)
+    return np.asarray(quantize(w, GGMLQuantizationType(int(kind))))
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` fp32 (K a multiple of 256) -> Q6_K super-blocks, GGUF's byte layout (see
+    ``torch_engine.quant._from_q6_k``). Each 16 weights' scale maps their largest magnitude to -32 (signed, as
+    ggml does); the super-block's fp16 ``d`` maps the largest scale to -128 and each scale rounds to an int8 of it;
+    the quants round to nearest under the final ``d * sc``."""
+    n, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q6_K needs a multiple of 256 columns, got {k}")
+    sb = k // 256
+    x = w.astype(np.float32).reshape(n, sb, 16, 16)
+    at = np.abs(x).argmax(axis=3)[..., None]
+    extreme = np.take_along_axis(x, at, axis=3)[..., 0]  # [n, sb, 16], signed
+    scale = extreme / -32.0
+    big = np.take_along_axis(scale, np.abs(scale).argmax(axis=2)[..., None], axis=2)  # [n, sb, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = (big / -128.0).astype(np.float16)
+        sc = np.where(d != 0, np.rint(scale / d.astype(np.float32)), 0).clip(-128, 127).astype(np.int8)
+        step = d.astype(np.float32) * sc.astype(np.float32)  # [n, sb, 16]
+        signed = np.where(step[..., None] != 0, np.rint(x / step[..., None]), 0).clip(-32, 31).astype(np.int16)
+    q = (signed + 32).astype(np.uint8).reshape(n, sb, 2, 128)  # element 128 h + e
+    ql = (q[:, :, :, :64] & 0x0F) | ((q[:, :, :, 64:] & 0x0F) << 4)  # byte 64 h + i: elements i, 64 + i
+    top = (q >> 4).reshape(n, sb, 2, 4, 32)  # element 128 h + 32 s + i -> byte 32 h + i, bits 2 s
+    qh = (top << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)).sum(axis=3, dtype=np.uint8)
+    out = np.concatenate(
+        [ql.reshape(n, sb, 128), qh.reshape(n, sb, 64), sc.view(np.uint8), d.reshape(n, sb, 1).view(np.uint8)], axis=2
+    )
+    return np.ascontiguousarray(out).reshape(n, sb * 210)
 
 
 def _target(name: str, ck: Checkpoint, kind: QuantKind) -> QuantKind | None:
@@ -104,6 +143,8 @@ def quantize_checkpoint(ck: Checkpoint, kind: QuantKind) -> tuple[Checkpoint, Qu
         target = _target(name, ck, kind)
         if target is None or not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] % BLOCK:
             continue
+        if w.shape[1] % target.block_weights:  # Q6_K's rows of 256: Q8_0 otherwise, as llama.cpp falls back
+            target = QuantKind.Q8_0
         packed = quantize_tensor(w, target)
         report.add(target, w, packed)
         tensors[name] = packed

@@ -101,13 +101,15 @@ TINY_CONFIGS = {
 
 
 def make_tiny_checkpoint(
-    kind: str, folder: Path, seed: int = 0, random_biases: bool = False
+    kind: str, folder: Path, seed: int = 0, random_biases: bool = False, intermediate_size: int | None = None
 ) -> tuple[Path, torch.nn.Module]:
     """Save a random tiny model of ``kind`` as an HF folder; returns the folder and the fp32 HF model
     (``random_biases``: Linear biases drawn too — HF's initialisation zeroes them, so a path that dropped
-    them would pass)."""
+    them would pass; ``intermediate_size``: the MLP's width instead of 128)."""
     torch.manual_seed(seed)
     cfg = TINY_CONFIGS[kind]()
+    if intermediate_size is not None:
+        cfg.intermediate_size = intermediate_size
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     if random_biases:
         with torch.no_grad():

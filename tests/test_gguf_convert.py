@@ -1,11 +1,11 @@
 """A GGUF's K-quants and other formats converted at build time (``builders/gguf_convert.py``).
 
 Reference: gguf's own dequantisation of the source blocks. Q4_K -> Q4_1 keeps the quants and rounds only
-each block's scale and minimum to fp16; Q5_0 and Q5_1 are kept as stored; the rest (Q5_K, Q6_K, ...) are
+each block's scale and minimum to fp16; Q6_K, Q5_0 and Q5_1 are kept as stored; the rest (Q5_K, ...) are
 requantized to Q8_0, each weight within half its new block step. End to end: the embedded SmolLM2 file
-rewritten with its FFN-down tensors in Q4_K, its q, k, v in Q5_0 (as llama.cpp's Q4_K_M does for rows that
-are not a multiple of 256) and its gate, up in Q5_1 (a Q5_K_M's fallback) builds packed, and the engine on
-it decodes as on gguf's dequantisation of the same file.
+rewritten with its FFN-down tensors in Q4_K and Q6_K (alternate layers, as llama.cpp's Q4_K_M mixes them), its
+q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate, up in Q5_1 (a Q5_K_M's
+fallback) builds packed, and the engine on it decodes as on gguf's dequantisation of the same file.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
 from builders.gguf_convert import convert, converts, target
 from builders.gguf_import import load_gguf
-from builders.quantize import QuantReport
+from builders.quantize import QuantReport, quantize_q6_k
 from tests.helpers import smollm2_prompts
 from torch_engine.config import DType, EngineConfig, EngineManifest, WeightStorage
 from torch_engine.engine import LLMEngine
@@ -60,12 +60,12 @@ def _q4_k(x: np.ndarray) -> np.ndarray:
 
 def _random_k_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
     """Random blocks of a K-quant (every bit pattern is a valid block) with small fp16 super-block scales."""
-    size = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    size = {T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // 256, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 1e-2, size=(n * k // 256, 2)).astype(np.float16).view(np.uint8)
-    if qtype is T.Q6_K:
-        blocks[:, 208:210] = scales[:, 0:2]  # d comes last
+    if qtype in (T.Q6_K, T.Q3_K):
+        blocks[:, size - 2 : size] = scales[:, 0:2]  # d comes last
     else:
         blocks[:, 0:4] = scales  # d, dmin
     return blocks.reshape(n, -1)
@@ -103,7 +103,7 @@ def test_q4_k_becomes_q4_1_keeping_its_quants(source: str) -> None:
     assert "Q4_K->Q4_1: 1 tensors" in report.summary()
 
 
-@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K])
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q3_K])
 def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizationType) -> None:
     n, k = 16, 512
     raw = _random_k_blocks(qtype, n, k, seed=3)
@@ -118,7 +118,23 @@ def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizatio
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
-    assert not any(converts(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_1, T.Q5_0, T.Q4_1, T.Q4_0))
+    assert not any(converts(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_1, T.Q5_0, T.Q4_1, T.Q4_0))
+
+
+def test_q6_k_is_kept_as_stored() -> None:
+    """Any Q6_K bit pattern (random blocks: every 6-bit quant, int8 scales down to -128) imports as stored, 6.5625
+    bits a weight, and dequantises bit-equal to gguf."""
+    from types import SimpleNamespace
+
+    from builders.gguf_import import _tensor
+
+    n, k = 24, 768
+    raw = _random_k_blocks(T.Q6_K, n, k, seed=4)
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.Q6_K, shape=[k, n], data=raw)
+    report = QuantReport()
+    p = _tensor(Path("x.gguf"), t, True, report)
+    assert isinstance(p, Packed) and p.kind is QuantKind.Q6_K and p.nbytes == raw.nbytes == n * k * 6.5625 / 8
+    assert torch.equal(p.dequantize(), _reference(raw, T.Q6_K, n, k)) and not report.tensors
 
 
 def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Path) -> None:
@@ -137,9 +153,9 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
 
 
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
-    """The embedded file with every layer's FFN-down weight in Q4_K (1536 columns), its q, k, v (576 columns,
-    not a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding
-    Q8_0)."""
+    """The embedded file with its FFN-down weights (1536 columns) in Q4_K in even layers and Q6_K (llama.cpp's
+    encoding by the test's ``quantize_q6_k``) in odd ones, its q, k, v (576 columns, not a multiple of 256) in Q5_0
+    and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
 
     def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
         ends = ("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight", "ffn_gate.weight", "ffn_up.weight")
@@ -148,7 +164,7 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
         shape = [int(v) for v in reversed(t.shape)]  # [N, K]
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if t.name.endswith("ffn_down.weight"):
-            return _q4_k(dense), T.Q4_K
+            return (_q4_k(dense), T.Q4_K) if int(t.name.split(".")[1]) % 2 == 0 else (quantize_q6_k(dense), T.Q6_K)
         kind = T.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else T.Q5_0
         return quantize(dense, kind), kind
 
@@ -212,9 +228,37 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
     assert out.converted["Q4_K->Q4_1"] == 1e-4  # the import's conversions carried
 
 
+def test_a_fused_group_mixing_q6_k_becomes_q8_0() -> None:
+    """Q6_K's two-level scales have no exact counterpart (Q4_K_M's attn_v in Q6_K beside q / k in Q4_K -> Q4_1):
+    the group becomes Q8_0, each member requantized with its error recorded; a group all in Q6_K stays."""
+    from builders.checkpoint import Checkpoint
+    from builders.gguf_convert import same_format_for_fused
+    from builders.quantize import quantize_tensor
+    from torch_engine.config import Family, ModelConfig
+
+    rng = np.random.default_rng(6)
+
+    def w(kind: QuantKind) -> Packed:
+        return quantize_tensor(torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32)), kind)
+
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    tensors: dict[str, Weight] = {
+        a + "q_proj.weight": w(QuantKind.Q4_1), a + "k_proj.weight": w(QuantKind.Q4_1),
+        a + "v_proj.weight": w(QuantKind.Q6_K),
+        m + "gate_proj.weight": w(QuantKind.Q6_K), m + "up_proj.weight": w(QuantKind.Q6_K),
+    }  # fmt: skip
+    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=256, intermediate_size=32, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=256)  # fmt: skip
+    out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {}))
+    kinds = {n: (v.kind if isinstance(v, Packed) else None) for n, v in out.tensors.items()}
+    assert {kinds[a + p] for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight")} == {QuantKind.Q8_0}
+    assert out.tensors[m + "gate_proj.weight"] is tensors[m + "gate_proj.weight"]
+    assert 0 < out.converted["Q6_K->Q8_0"] < 0.01 and 0 < out.converted["Q4_1->Q8_0"] < 0.01
+
+
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K tensors become Q4_1 (the manifest states the conversion's error), the Q5_0 and Q5_1
+    """As stored, the Q4_K tensors become Q4_1 (the manifest states the conversion's error), the Q6_K, Q5_0 and Q5_1
     ones stay;
     the engine's reference path on that build gives the same next-token distributions as on the dense build
     of the same file (gguf's dequantisation) within the fp16 rounding of the scales, and the fast path
@@ -222,8 +266,10 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     src = tmp_path / "smollm2-kq.gguf"
     _rewrite_as_k_quants(smollm2_gguf(), src)
     ck = load_gguf(src)
-    down, q = ck.tensors["model.layers.3.mlp.down_proj.weight"], ck.tensors["model.layers.3.self_attn.q_proj.weight"]
+    down, q = ck.tensors["model.layers.2.mlp.down_proj.weight"], ck.tensors["model.layers.3.self_attn.q_proj.weight"]
     assert isinstance(down, Packed) and down.kind is QuantKind.Q4_1
+    odd = ck.tensors["model.layers.3.mlp.down_proj.weight"]
+    assert isinstance(odd, Packed) and odd.kind is QuantKind.Q6_K
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
     up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
     assert isinstance(up, Packed) and up.kind is QuantKind.Q5_1
@@ -247,5 +293,5 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
         assert sum(diff) / len(diff) < 0.01 and max(diff) < 0.1, diff  # measured: mean 0.003-0.006, max 0.04
         assert top1_agreement(a, b) >= 0.95
     fast = LLMEngine(EngineConfig(engine_dir=stored, num_pages=64, fast_cpu=True), load_tokenizer=False)
-    assert "q4_1+q5_0+q5_1+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
+    assert "q4_1+q5_0+q5_1+q6_k+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
     assert len(fast.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8

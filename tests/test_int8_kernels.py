@@ -19,12 +19,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from builders.quantize import quantize_blocks
 from tests.shims import compile_levels
 from torch_engine.kernels import cpu_kernels
 from torch_engine.quant import QuantKind, from_gguf_blocks, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q8_0]
+KINDS = list(QuantKind)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 def _weight(kind: QuantKind, n: int, k: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
     """A random weight quantized by gguf, grouped by the engine's kernels; and its dequantised values."""
     rng = np.random.default_rng(seed)
-    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType(int(kind)))
+    raw = quantize_blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
     p = from_gguf_blocks(kind, raw, (n, k))
     kernels = cpu_kernels()
     assert kernels is not None
@@ -81,6 +82,7 @@ def test_the_paths_this_cpu_runs_are_compiled(paths: dict[str, ctypes.CDLL]) -> 
 def test_every_path_computes_the_product_of_the_quantized_activations(
     paths: dict[str, ctypes.CDLL], kind: QuantKind, n: int, k: int, rows: int
 ) -> None:
+    k = -(-k // kind.block_weights) * kind.block_weights  # Q6_K: whole super-blocks of 256
     parts, w = _weight(kind, n, k, seed=n + rows)
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)

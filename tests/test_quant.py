@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from bench.quality import TEXT, perplexity, prompt_logprobs, top1_agreement
 from builders import BuildOptions, build_engine
@@ -25,6 +25,7 @@ from builders.build import load_checkpoint
 from builders.embedded import smollm2_gguf
 from builders.errors import BuildError
 from builders.gguf_import import load_gguf
+from builders.quantize import quantize_blocks
 from builders.sharding import shard
 from tests.helpers import smollm2_prompts
 from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig, WeightStorage
@@ -34,7 +35,12 @@ from torch_engine.layers import Linear
 from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, group, narrow
 from torch_engine.sampling import SamplingParams
 
-KINDS = [QuantKind.Q4_0, QuantKind.Q4_1, QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q8_0]
+KINDS = list(QuantKind)
+
+
+def _cols(kind: QuantKind, k: int) -> int:
+    """``k`` columns, or the next multiple of the kind's block (Q6_K: super-blocks of 256)."""
+    return -(-k // kind.block_weights) * kind.block_weights
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +55,17 @@ def kernels() -> ModuleType:
 
 def _packed(kind: QuantKind, n: int, k: int, seed: int = 0) -> tuple[Packed, np.ndarray]:
     rng = np.random.default_rng(seed)
-    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, GGMLQuantizationType(int(kind)))
+    raw = quantize_blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
     return from_gguf_blocks(kind, raw, (n, k)), raw
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_form_dequantises_bit_equal_to_gguf(kind: QuantKind) -> None:
-    p, raw = _packed(kind, 48, 96)
-    want = np.asarray(dequantize(raw, GGMLQuantizationType(int(kind))), dtype=np.float32)
+    k = _cols(kind, 96)
+    p, raw = _packed(kind, 48, k)
+    want = np.asarray(dequantize(raw, GGMLQuantizationType(int(kind))), dtype=np.float32).reshape(48, k)
     assert torch.equal(p.dequantize(), torch.from_numpy(want))
-    assert p.shape == (48, 96) and p.nbytes == raw.nbytes
+    assert p.shape == (48, k) and p.nbytes == raw.nbytes
 
 
 def test_the_shipped_files_tensors_dequantise_bit_equal() -> None:
@@ -75,7 +82,7 @@ def test_the_shipped_files_tensors_dequantise_bit_equal() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_grouped_weights_dequantise_bit_equal(kernels: ModuleType, kind: QuantKind) -> None:
-    p, _ = _packed(kind, 37, 96)  # 37 rows: the last group of 16 is padding
+    p, _ = _packed(kind, 37, _cols(kind, 96))  # 37 rows: the last group of 16 is padding
     g = group(p, kernels)
     assert g.shape == p.shape
     assert torch.equal(g.rows(kernels), p.dequantize())
@@ -90,13 +97,14 @@ def test_integer_gemm_errs_only_by_the_activations_rounding(kernels: ModuleType,
     else up to 16), whose result differs from the dequantised weight's exact GEMM by at most |W| x half a
     quantization step of each block of activations; more rows (prefill on AVX2 / scalar kernels) on the
     dense GEMM of the dequantised weight."""
-    p, _ = _packed(kind, 200, 320, seed=rows)
-    lin = Linear(320, 200, bias=True)
+    k = _cols(kind, 320)
+    p, _ = _packed(kind, 200, k, seed=rows)
+    lin = Linear(k, 200, bias=True)
     bias = torch.randn(200)
     lin.bias = torch.nn.Parameter(bias, requires_grad=False)
     lin.set_quant(group(p, kernels), torch.float32, kernels)
     assert lin.weight is None
-    x = torch.randn(rows, 320)
+    x = torch.randn(rows, k)
     w = p.dequantize().double()
     exact = x.double() @ w.T + bias.double()
     step = x.abs().reshape(rows, -1, 32).amax(-1).double() / 127  # each block's quantization step
@@ -112,7 +120,7 @@ def test_integer_gemm_errs_only_by_the_activations_rounding(kernels: ModuleType,
     y16 = lin(x.bfloat16())  # bf16 activations: computed in fp32, returned in bf16
     assert y16.dtype == torch.bfloat16
     assert torch.allclose(y16.float(), exact.float(), atol=0.05, rtol=0.02)
-    x3 = x.reshape(1, rows, 320)  # any leading shape
+    x3 = x.reshape(1, rows, k)  # any leading shape
     assert torch.allclose(lin(x3).reshape(rows, 200), lin(x), atol=1e-5)
 
 
@@ -240,9 +248,9 @@ def test_build_time_quantization_of_a_dense_checkpoint(tiny, tmp_path: Path) -> 
 def test_the_precise_gemm_also_multiplies_the_rounding_residual(kernels: ModuleType, kind: QuantKind) -> None:
     """``precise`` (the lm_head at up to two rows): the activations' rounding residual, quantized again, is
     multiplied too, so the result is within a hundredth of the one-pass bound of the dequantised GEMM."""
-    p, _ = _packed(kind, 200, 320, seed=7)
+    p, _ = _packed(kind, 200, _cols(kind, 320), seed=7)
     g = group(p, kernels)
-    x = torch.randn(3, 320)
+    x = torch.randn(3, p.shape[1])
     bias = torch.randn(200)
     w = p.dequantize().double()
     exact = x.double() @ w.T + bias.double()
@@ -251,7 +259,7 @@ def test_the_precise_gemm_also_multiplies_the_rounding_residual(kernels: ModuleT
     one = (g.gemm(kernels, x, bias).double() - exact).abs()
     two = (g.gemm(kernels, x, bias, precise=True).double() - exact).abs()
     assert bool((two <= bound / 100 + 1e-5).all()) and float(two.max()) < float(one.max()) / 20
-    head = Linear(320, 200, bias=False)
+    head = Linear(p.shape[1], 200, bias=False)
     head.set_quant(g, torch.float32, kernels)
     head.precise = True
     near = (head(x[:2]).double() - (x[:2].double() @ w.T)).abs().max()  # two rows: precise
@@ -261,11 +269,16 @@ def test_the_precise_gemm_also_multiplies_the_rounding_residual(kernels: ModuleT
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantKind) -> None:
     """Column cuts (TP's row-parallel split), row cuts and stacks (q, k, v -> qkv) carry every part of the
-    packed form (Q4_1 / Q5_1's minimums, Q5's 5th bits) along."""
-    p, _ = _packed(kind, 8, 128, seed=3)
+    packed form (Q4_1 / Q5_1's minimums, Q5's 5th bits, Q6_K's two-level scales and 6th bits) along; Q6_K cuts
+    at its super-blocks of 256 only."""
+    u = kind.block_weights
+    p, _ = _packed(kind, 8, 4 * u, seed=3)
     dense = p.dequantize()
-    cols = narrow(p, 1, 32, 64)
-    assert isinstance(cols, Packed) and torch.equal(cols.dequantize(), dense[:, 32:96])
+    cols = narrow(p, 1, u, 2 * u)
+    assert isinstance(cols, Packed) and torch.equal(cols.dequantize(), dense[:, u : 3 * u])
+    if u > 32:
+        with pytest.raises(ValueError, match=f"multiples of {u}"):
+            narrow(p, 1, 32, u)
     rows = narrow(p, 0, 2, 3)
     assert isinstance(rows, Packed) and torch.equal(rows.dequantize(), dense[2:5])
     both = cat_rows([p, rows])
@@ -295,7 +308,7 @@ def test_the_same_values_in_two_formats_compute_the_same(
     assert same(a.gemm(kernels, x, bias, precise=True), b.gemm(kernels, x, bias, precise=True))
 
 
-@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1])
+@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q6_K])
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their
     remainders; past 16 rows on AVX-512, each group unpacked to a byte a weight first) and all compute the same

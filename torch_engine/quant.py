@@ -2,18 +2,21 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
-``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential stream each
-for the kernels, and plain tensors for safetensors):
+``Q8_0``, ``Q6_K``, ``Q5_0``, ``Q5_1``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential
+stream each for the kernels, and plain tensors for safetensors):
 
-- ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (Q4 / Q5: byte j of a block holds
-  element j's low 4 bits in its low nibble and element j + 16's in its high one, GGUF's order);
-- ``d``: each block's scale, ``[N, K / 32]`` float16;
-- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1 only);
-- ``h``: the 5th bits, ``[N, K / 8]`` uint8 (Q5_0 and Q5_1 only: a block's 4 bytes, bit e of them element e's,
-  GGUF's little-endian ``qh``).
+- ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (the others' low 4 bits: byte j of a block
+  holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order);
+- ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K: each super-block of 256's, ``[N, K / 256]``);
+- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1); Q6_K: its sub-block scales, one per 16
+  weights, ``[N, K / 16]`` int8;
+- ``h``: the bits above the low 4, ``[N, K / 8]`` uint8 for Q5_0 and Q5_1 (a block's 4 bytes, bit e of them element
+  e's 5th, GGUF's little-endian ``qh``), ``[N, K / 4]`` for Q6_K (a block's 8 bytes, bits 2e and 2e + 1 element
+  e's 5th and 6th).
 
-Element values: Q8_0 ``d * q``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 and Q5_1 ``d * q + m``, computed in
-fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
+Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 and
+Q5_1 ``d * q + m``, computed in fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to
+it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
 and scales with 16 output rows interleaved, the layout of the integer kernels
@@ -44,22 +47,38 @@ class QuantKind(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q6_K = 14
+
+    @property
+    def block_weights(self) -> int:
+        """Weights of one GGUF block (Q6_K: a super-block of 256), the finest cut along K."""
+        return 256 if self is QuantKind.Q6_K else BLOCK
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one 32-element block in a GGUF file (scale, [minimum,] [5th bits,] quants)."""
-        return {QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34}[
-            self
-        ]
+        """Bytes of one GGUF block of ``block_weights`` (scale, [minimum,] [high bits,] quants)."""
+        return {
+            QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34,
+            QuantKind.Q6_K: 210,
+        }[self]  # fmt: skip
 
     @property
     def has_min(self) -> bool:
         return self in (QuantKind.Q4_1, QuantKind.Q5_1)
 
     @property
+    def has_m(self) -> bool:
+        """Whether ``Packed.m`` is stored: the minimums, or Q6_K's sub-block scales."""
+        return self.has_min or self is QuantKind.Q6_K
+
+    @property
+    def high_bits(self) -> int:
+        """Bits per weight stored apart above the low 4 (``Packed.h``): Q5's 5th, Q6_K's 5th and 6th."""
+        return {QuantKind.Q5_0: 1, QuantKind.Q5_1: 1, QuantKind.Q6_K: 2}.get(self, 0)
+
+    @property
     def has_high(self) -> bool:
-        """Whether a 5th bit per weight is stored apart (``Packed.h``)."""
-        return self in (QuantKind.Q5_0, QuantKind.Q5_1)
+        return self.high_bits > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +93,7 @@ class Packed:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * BLOCK
+        return self.d.shape[0], self.d.shape[1] * self.kind.block_weights
 
     @property
     def nbytes(self) -> int:
@@ -92,20 +111,23 @@ class Packed:
         return self._map(lambda t: t[index])
 
     def columns(self, start: int, length: int) -> Packed:
-        """Columns ``[start, start + length)``; both must fall on block boundaries."""
-        if start % BLOCK or length % BLOCK:
+        """Columns ``[start, start + length)``; both must fall on block boundaries (Q6_K: super-blocks)."""
+        unit = self.kind.block_weights
+        if start % unit or length % unit:
             raise ValueError(
-                f"a {self.kind.name} weight can only be cut at multiples of {BLOCK} columns, "
+                f"a {self.kind.name} weight can only be cut at multiples of {unit} columns, "
                 f"not [{start}, {start + length})"
             )
         per_q = 1 if self.kind is QuantKind.Q8_0 else 2
+        six = self.kind is QuantKind.Q6_K
 
         def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
             return None if t is None else t[:, start // per : (start + length) // per].clone()
 
-        qs, d = cut(self.qs, per_q), cut(self.d, BLOCK)
+        qs, d = cut(self.qs, per_q), cut(self.d, unit)
         assert qs is not None and d is not None
-        return Packed(self.kind, qs, d, cut(self.m, BLOCK), cut(self.h, 8))
+        m, h = cut(self.m, 16 if six else BLOCK), cut(self.h, 8 // max(self.kind.high_bits, 1))
+        return Packed(self.kind, qs, d, m, h)
 
     def contiguous(self) -> Packed:
         return self._map(lambda t: t.contiguous())
@@ -114,6 +136,11 @@ class Packed:
         """The dense weight ``[N, K]`` (fp32 arithmetic, as gguf's dequantisation; then ``dtype``)."""
         n, k = self.shape
         nb = k // BLOCK
+        if self.kind is QuantKind.Q6_K:  # as gguf: (d * sc) per 16 weights, times q - 32
+            assert self.m is not None
+            scale = self.d.float().repeat_interleave(16, dim=1) * self.m.float()
+            q = (self.quants().to(torch.int16) - 32).float().reshape(n, k // 16, 16)
+            return (scale.reshape(n, k // 16, 1) * q).reshape(n, k).to(dtype)
         d = self.d.float().reshape(n, nb, 1)
         if self.kind is QuantKind.Q8_0:
             w = self.qs.reshape(n, nb, BLOCK).float() * d
@@ -124,20 +151,22 @@ class Packed:
         return w.reshape(n, k).to(dtype)
 
     def quants(self) -> torch.Tensor:
-        """A Q4 / Q5 weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; Q5's 5th
+        """A Q4 / Q5 / Q6_K weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; the high
         bits included)."""
         n, k = self.shape
         raw = self.qs.reshape(n, k // BLOCK, BLOCK // 2)
         q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
         if self.h is not None:
-            bits = self.h.reshape(n, k // BLOCK, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=self.h.device)
-            q = q | ((bits & 1).reshape(n, k // BLOCK, BLOCK) << 4)
+            planes = self.kind.high_bits  # a byte of h holds 8 / planes elements' bits
+            shifts = torch.arange(0, 8, planes, dtype=torch.uint8, device=self.h.device)
+            bits = self.h.reshape(n, k // BLOCK, 4 * planes, 1) >> shifts
+            q = q | ((bits & ((1 << planes) - 1)).reshape(n, k // BLOCK, BLOCK) << 4)
         return q
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The safetensors entries of this weight under ``name``."""
         out = {f"{name}.qs": self.qs, f"{name}.d": self.d}
-        if self.m is not None:
+        if self.m is not None:  # (minimums, or Q6_K's sub-block scales)
             out[f"{name}.m"] = self.m
         if self.h is not None:
             out[f"{name}.h"] = self.h
@@ -146,7 +175,7 @@ class Packed:
     @classmethod
     def from_tensors(cls, kind: QuantKind, name: str, state: dict[str, torch.Tensor]) -> Packed:
         """The weight ``name`` out of a loaded state dict (its entries are removed from it)."""
-        m = state.pop(f"{name}.m") if kind.has_min else None
+        m = state.pop(f"{name}.m") if kind.has_m else None
         h = state.pop(f"{name}.h") if kind.has_high else None
         return cls(kind, state.pop(f"{name}.qs"), state.pop(f"{name}.d"), m, h)
 
@@ -155,8 +184,10 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
     """A GGUF tensor's raw bytes (``[N, K / 32 * block_bytes]`` uint8, as ``GGUFReader`` maps them)
     -> the packed form. ``shape`` is ``[N, K]``."""
     n, k = shape
-    if k % BLOCK:
-        raise ValueError(f"a {kind.name} tensor needs a multiple of {BLOCK} columns, got {k}")
+    if k % kind.block_weights:
+        raise ValueError(f"a {kind.name} tensor needs a multiple of {kind.block_weights} columns, got {k}")
+    if kind is QuantKind.Q6_K:
+        return _from_q6_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 210), n, k)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
     d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)).reshape(n, k // BLOCK)
     if kind is QuantKind.Q8_0:
@@ -170,11 +201,34 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
     return Packed(kind, qs, d, m, h)
 
 
+def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    """Q6_K super-blocks ``[N, K / 256, 210]`` (ql: 128 bytes of low nibbles, qh: 64 bytes of 2-bit pairs, 16 int8
+    scales, d) -> the packed form (gguf's element order: ``ql`` byte 64 h + i holds elements 128 h + i (low nibble)
+    and 128 h + 64 + i (high); ``qh`` byte 32 h + i the top bits of elements 128 h + 32 s + i at bits 2 s)."""
+    sb = blocks.shape[1]
+    ql = blocks[:, :, :128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[:, :, 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    low = (ql & 0x0F).reshape(n, k // BLOCK, BLOCK)
+    high = (qh & 0x03).reshape(n, k // BLOCK, BLOCK)
+    qs = low[:, :, :16] | (low[:, :, 16:] << 4)  # byte j: element j | element j + 16 << 4
+    h = (high.reshape(n, k // BLOCK, 8, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
+    sc = blocks[:, :, 192:208].copy().view(np.int8).reshape(n, k // 16)
+    d = blocks[:, :, 208:210].copy().view(np.float16).reshape(n, sb)
+    return Packed(
+        QuantKind.Q6_K,
+        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2)),
+        torch.from_numpy(d),
+        torch.from_numpy(np.ascontiguousarray(sc)),
+        torch.from_numpy(np.ascontiguousarray(h).reshape(n, k // 4)),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Grouped:
     """A ``Packed`` weight ``[n, k]`` repacked for the integer kernels (``csrc/qgemm.h``): quants
     ``qs`` in groups of 16 interleaved output rows, scales ``d`` / minimums ``m`` ``[groups, k / 32, 16]``
-    (``m`` empty unless Q4_1 / Q5_1)."""
+    (``m`` empty unless Q4_1 / Q5_1; Q6_K: ``d`` ``[groups, k / 256, 16]``, ``m`` its sub-block scales
+    ``[groups, k / 32, 32]`` int8)."""
 
     kind: QuantKind
     n: int
@@ -237,6 +291,6 @@ def cat_rows(ws: Sequence[Weight]) -> Weight:
     if len(packed) != len(ws) or len(kinds) != 1:
         raise ValueError(f"cannot fuse weights stored differently ({sorted(k.name for k in kinds)} and dense)")
     kind = kinds.pop()
-    m = torch.cat([p.m for p in packed if p.m is not None]) if kind.has_min else None
+    m = torch.cat([p.m for p in packed if p.m is not None]) if kind.has_m else None
     h = torch.cat([p.h for p in packed if p.h is not None]) if kind.has_high else None
     return Packed(kind, torch.cat([p.qs for p in packed]), torch.cat([p.d for p in packed]), m, h)

@@ -220,20 +220,20 @@ class FusedDecoder {
     TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
     const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
     TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
-                "d16 must be [groups, K/32, 16] fp16");
+                "d16 must be [groups, K/32 (Q6_K: K/256), 16] fp16");
     Lin l;
     l.w.kind = static_cast<disagg_q::Kind>(kind);
     l.w.N = N;
-    l.w.K = d.size(1) * BLOCK;
+    l.w.K = d.size(1) * disagg_q::scale_span(l.w.kind);
     TORCH_CHECK(l.w.groups() == d.size(0), "N ", N, " does not fit ", d.size(0), " groups");
     TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == l.w.groups() * l.w.group_bytes(),
                 "qs16 does not fit d16");
     l.w.qs = static_cast<const uint8_t*>(qs.data_ptr());
     l.w.d = static_cast<const uint16_t*>(d.data_ptr());
     l.keep = {qs, d};
-    if (disagg_q::has_min(l.w.kind)) {
-      TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.is_contiguous(),
-                  "Q4_1 / Q5_1 need m16 shaped as d16");
+    if (disagg_q::has_min(l.w.kind) || l.w.kind == disagg_q::Q6_K) {
+      TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == l.w.groups() * l.w.NB() * 32,
+                  "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K [groups, K/32, 32] int8");
       l.w.m = static_cast<const uint16_t*>(m.data_ptr());
       l.keep.push_back(m);
     }
@@ -290,6 +290,7 @@ class FusedDecoder {
     torch::Tensor adx = torch::empty({B * widest / BLOCK}, f32);
     torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
     torch::Tensor adxs = torch::empty({B * widest / BLOCK}, f32);
+    torch::Tensor aslo = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
     const Weights held = weights_;
     torch::Tensor abf = torch::empty({held == Weights::BF16 ? B * widest : 0}, torch::TensorOptions().dtype(torch::kBFloat16));
     torch::Tensor af = torch::empty({held == Weights::F32 ? B * widest : 0}, f32);
@@ -301,6 +302,7 @@ class FusedDecoder {
     float* dx = adx.data_ptr<float>();
     int32_t* sq = as.data_ptr<int32_t>();
     float* dxs = adxs.data_ptr<float>();
+    int32_t* slo = aslo.data_ptr<int32_t>();
     at::BFloat16* xb = abf.data_ptr<at::BFloat16>();
     float* xf = af.data_ptr<float>();
     auto act = [&](int64_t K) {
@@ -309,6 +311,7 @@ class FusedDecoder {
       a.dx = dx;
       a.s = sq;
       a.dxs = dxs;
+      a.slo = slo;
       a.K = K;
       return a;
     };
@@ -321,7 +324,7 @@ class FusedDecoder {
       } else if (held == Weights::F32) {
         std::copy(src, src + BLOCK, xf + r * K + blk * BLOCK);
       } else {
-        disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k);
+        disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k, slo + k);
       }
     };
     auto gemm = [&](const Lin& l, int64_t g0, int64_t g1, float* y, int64_t ldy, bool accumulate) {

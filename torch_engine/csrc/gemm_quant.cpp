@@ -5,7 +5,7 @@
 // bytes a weight, 6.4x less than fp32).
 //
 //   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]
-//                                                       (m: Q4_1 / Q5_1's, h: Q5_0 / Q5_1's)
+//                                   (m: Q4_1 / Q5_1's minimums, Q6_K's sub-block scales; h: Q5's / Q6_K's high bits)
 //   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
 //   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty, precise) -> [R, N] in x's dtype (fp32 or bf16)
 //   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
@@ -25,6 +25,7 @@ namespace {
 using disagg_q::BLOCK;
 using disagg_q::Q4_0;
 using disagg_q::Q5_0;
+using disagg_q::Q6_K;
 using disagg_q::Q8_0;
 
 // ---- the integer path (qgemm.h): weights repacked in groups of 16 outputs, activations quantized ----------
@@ -32,10 +33,10 @@ using disagg_q::Q8_0;
 disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t N) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
-              "d16 must be [groups, K/32, 16] fp16");
-  const int64_t G = d.size(0), NB = d.size(1);
-  TORCH_CHECK(N > 0 && (N + disagg_q::GROUP - 1) / disagg_q::GROUP == G, "N ", N, " does not fit ", G, " groups");
+              "d16 must be [groups, K/32 (Q6_K: K/256), 16] fp16");
   const auto k = static_cast<disagg_q::Kind>(kind);
+  const int64_t G = d.size(0), NB = d.size(1) * disagg_q::scale_span(k) / BLOCK;
+  TORCH_CHECK(N > 0 && (N + disagg_q::GROUP - 1) / disagg_q::GROUP == G, "N ", N, " does not fit ", G, " groups");
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == G * NB * disagg_q::Q16::block_bytes(k),
               "qs16 does not fit d16");
   disagg_q::Q16 w;
@@ -44,51 +45,63 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   w.K = NB * disagg_q::BLOCK;
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
   w.d = static_cast<const uint16_t*>(d.data_ptr());
-  if (disagg_q::has_min(k)) {
-    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.element_size() == 2 && m.is_contiguous(),
-                "Q4_1 / Q5_1 need m16 shaped as d16");
+  if (disagg_q::has_min(k) || k == Q6_K) {  // 32 bytes a group and block: 16 fp16 minimums, or 2 x 16 int8 scales
+    TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == G * NB * 32,
+                "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K [groups, K/32, 32] int8");
     w.m = static_cast<const uint16_t*>(m.data_ptr());
   }
   return w;
 }
 
-// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32], h [N, K/8]) -> [qs16, d16, m16 or empty]
-// (qgemm.h; Q5's 5th bits go into qs16).
+// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32] (Q6_K: d [N, K/256], m [N, K/16] int8), h [N, K/8]
+// (Q6_K: [N, K/4])) -> [qs16, d16, m16 or empty] (qgemm.h; the bits above the nibbles go into qs16).
 std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                       torch::Tensor h) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
-  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(), "d must be [N, K/32] fp16");
-  const int64_t N = d.size(0), K = d.size(1) * BLOCK, NB = K / BLOCK, G = (N + 15) / 16;
   const auto k = static_cast<disagg_q::Kind>(kind);
-  const bool with_min = disagg_q::has_min(k), with_high = disagg_q::has_high(k);
+  const int64_t span = disagg_q::scale_span(k);
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(),
+              "d must be [N, K/32] (Q6_K: [N, K/256]) fp16");
+  const int64_t N = d.size(0), K = d.size(1) * span, NB = K / BLOCK, ND = d.size(1), G = (N + 15) / 16;
+  const bool with_min = disagg_q::has_min(k), six = k == Q6_K;
+  const int planes = disagg_q::high_planes(k);
   const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
   if (with_min)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 / Q5_1 need m [N, K/32] fp16");
-  if (with_high)
-    TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8,
-                "Q5_0 / Q5_1 need h [N, K/8] (uint8)");
-  const uint8_t* hsrc = with_high ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
+  if (six)
+    TORCH_CHECK(m.defined() && m.scalar_type() == torch::kChar && m.is_contiguous() && m.numel() == N * K / 16,
+                "Q6_K needs its sub-block scales m [N, K/16] int8");
+  if (planes > 0)
+    TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8 * planes,
+                "Q5_0 / Q5_1 need h [N, K/8], Q6_K h [N, K/4] (uint8)");
+  const uint8_t* hsrc = planes > 0 ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
   const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dsrc = d.data_ptr<at::Half>();
   const at::Half* msrc = with_min ? m.data_ptr<at::Half>() : nullptr;
+  const int8_t* scsrc = six ? m.data_ptr<int8_t>() : nullptr;
   const int64_t BB = disagg_q::Q16::block_bytes(k);
   auto qs16 = torch::zeros({G * NB * BB}, torch::TensorOptions().dtype(torch::kUInt8));
-  auto d16 = torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf));
-  auto m16 = with_min ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf)) : torch::Tensor();
+  auto d16 = torch::zeros({G, ND, 16}, torch::TensorOptions().dtype(torch::kHalf));
+  torch::Tensor m16 = with_min ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf))
+                      : six    ? torch::zeros({G, NB, 32}, torch::TensorOptions().dtype(torch::kChar))
+                               : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf));
   uint8_t* out = qs16.data_ptr<uint8_t>();
   at::Half* dout = d16.data_ptr<at::Half>();
   at::Half* mout = with_min ? m16.data_ptr<at::Half>() : nullptr;
+  int8_t* scout = six ? m16.data_ptr<int8_t>() : nullptr;
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j = 0; j < 16 && g * 16 + j < N; ++j) {
         const int64_t n = g * 16 + j;
         const uint8_t* src = qsrc + n * row_bytes;
+        for (int64_t e = 0; e < ND; ++e) dout[(g * ND + e) * 16 + j] = dsrc[n * ND + e];
         for (int64_t b = 0; b < NB; ++b) {
           uint8_t* blk = out + (g * NB + b) * BB;
-          dout[(g * NB + b) * 16 + j] = dsrc[n * NB + b];
           if (mout != nullptr) mout[(g * NB + b) * 16 + j] = msrc[n * NB + b];
+          if (scout != nullptr)
+            for (int64_t half = 0; half < 2; ++half) scout[(g * NB + b) * 32 + half * 16 + j] = scsrc[n * NB * 2 + 2 * b + half];
           if (kind == Q8_0) {
             for (int64_t c = 0; c < 8; ++c)
               for (int64_t i = 0; i < 4; ++i) {
@@ -106,29 +119,33 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
             for (int64_t c = 0; c < 4; ++c)
               for (int64_t i = 0; i < 4; ++i)
                 blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(nib(8 * c + i) | (nib(8 * c + 4 + i) << 4));
-            if (hsrc != nullptr) {  // word v = 2c + half, bit j * 4 + i: element 8c + 4 half + i's 5th bit
-              const uint8_t* hb = hsrc + n * (K / 8) + b * 4;
+            // plane p's word v = 2c + half, bit j * 4 + i: bit 4 + p of element 8c + 4 half + i (in h, a block's
+            // 4 * planes bytes hold element e's bits at e * planes + p)
+            for (int64_t p = 0; p < planes; ++p) {
+              const uint8_t* hb = hsrc + n * (K / 8 * planes) + b * 4 * planes;
               for (int64_t v = 0; v < 8; ++v)
                 for (int64_t i = 0; i < 4; ++i) {
-                  const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i;
-                  if ((hb[e / 8] >> (e % 8)) & 1) blk[256 + 8 * v + (j * 4 + i) / 8] |= 1u << ((j * 4 + i) % 8);
+                  const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i, bit = e * planes + p;
+                  if ((hb[bit / 8] >> (bit % 8)) & 1)
+                    blk[256 + 64 * p + 8 * v + (j * 4 + i) / 8] |= 1u << ((j * 4 + i) % 8);
                 }
             }
           }
         }
       }
   });
-  return {qs16, d16, with_min ? m16 : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf))};
+  return {qs16, d16, m16};
 }
 
 struct QuantizedAct {
-  torch::Tensor q, dx, s, dxs;
+  torch::Tensor q, dx, s, dxs, slo;
   disagg_q::ActQ8 view() const {
     disagg_q::ActQ8 a;
     a.q = q.data_ptr<int8_t>();
     a.dx = dx.data_ptr<float>();
     a.s = s.data_ptr<int32_t>();
     a.dxs = dxs.data_ptr<float>();
+    a.slo = slo.data_ptr<int32_t>();
     a.K = q.size(1);
     return a;
   }
@@ -141,13 +158,15 @@ QuantizedAct quantize(const torch::Tensor& x) {
   QuantizedAct a{torch::empty({R, K}, torch::TensorOptions().dtype(torch::kChar)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt)),
-                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat))};
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt))};
   const float* xp = xf.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* dx = a.dx.data_ptr<float>();
   int32_t* s = a.s.data_ptr<int32_t>();
   float* dxs = a.dxs.data_ptr<float>();
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs); });
+  int32_t* slo = a.slo.data_ptr<int32_t>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo); });
   return a;
 }
 
@@ -199,18 +218,22 @@ torch::Tensor gemm_q8(torch::Tensor x, int64_t kind, torch::Tensor qs16, torch::
 // (all rows) the prefill path's dense tiles.
 void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
   const int64_t NB = w.NB(), BB = disagg_q::Q16::block_bytes(w.kind), g = n / 16, j = n % 16;
+  const int64_t span_blocks = disagg_q::scale_span(w.kind) / BLOCK;
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = w.qs + (g * NB + b) * BB;
-    const float d = disagg_q::fp16_to_float(w.d[(g * NB + b) * 16 + j]);
+    const float d = disagg_q::fp16_to_float(w.d[(g * w.d_blocks() + b / span_blocks) * 16 + j]);
     float* o = out + b * BLOCK;
     if (w.kind == Q8_0) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
-    } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m
-      const bool with_min = disagg_q::has_min(w.kind), with_high = disagg_q::has_high(w.kind);
+    } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32)
+      const bool with_min = disagg_q::has_min(w.kind);
+      const int planes = disagg_q::high_planes(w.kind);
       const float mn = with_min ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
-      const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : 0);
-      auto value = [&](int q) {
+      const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : 0));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K only
+      auto value = [&](int q, int64_t e) {
+        if (w.kind == Q6_K) return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
         return with_min ? d * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
       };
       for (int64_t c = 0; c < 4; ++c)
@@ -218,12 +241,12 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
           const uint8_t byte = blk[c * 64 + j * 4 + i];
           const int bit = static_cast<int>(j * 4 + i);
           int lo = byte & 0x0F, hi = byte >> 4;
-          if (with_high) {
-            lo |= static_cast<int>((disagg_q::high_bits(blk, 2 * c) >> bit) & 1) << 4;
-            hi |= static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1) >> bit) & 1) << 4;
+          for (int p = 0; p < planes; ++p) {
+            lo |= static_cast<int>((disagg_q::high_bits(blk, 2 * c, p) >> bit) & 1) << (4 + p);
+            hi |= static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1, p) >> bit) & 1) << (4 + p);
           }
-          o[8 * c + i] = value(lo);
-          o[8 * c + 4 + i] = value(hi);
+          o[8 * c + i] = value(lo, 8 * c + i);
+          o[8 * c + 4 + i] = value(hi, 8 * c + 4 + i);
         }
     }
   }

@@ -1,4 +1,4 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and
+// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and
 // activations quantized to int8 per 32-block, as llama.cpp computes:
 // y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
 // (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
@@ -12,10 +12,14 @@
 //   Q5 (Q5_0, Q5_1): Q4's 4 chunks (the low 4 bits), then 8 64-bit words of the 5th bits: word v = 2c + h
 //       stands for the vector of chunk c's low (h = 0) or high (h = 1) nibbles, its bit j * 4 + i the 5th bit
 //       of that vector's byte j * 4 + i (an AVX-512 byte mask as it stands; AVX2 takes its half's 32 bits).
+//   Q6_K: Q5's layout with a second 8 words behind the first, the 6th bits; q in 0..63 stands for q - 32.
 //   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
+//   Q6_K keeps GGUF's two-level scales: d [group][super-block of 256][16] fp16, and as `m` the sub-block
+//   scales [group][block][2][16] int8 (the block's first 16 weights', then its last 16's); a weight is
+//   d * sc * (q - 32). Its integer sums are taken per half block and weighted by sc in int32 (exact).
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
-// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s). The error of the product is that of the activations'
+// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; and slo, the sum of the first 16, for Q6_K). The error of the product is that of the activations'
 // rounding (|x - dx * q| <= dx / 2 per element); the weight side is exact.
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
@@ -64,11 +68,18 @@ inline void prefetch_block(const uint8_t* p) {
 }
 // GGML's type ids; and U8_MIN, never stored: a Q5_1 group unpacked to one unsigned byte a weight (Q8's layout,
 // the q of 0..31 as they are, Q5_1's scales and minimums), which AVX-512 computes past 16 rows.
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, U8_MIN = 1007 };
-inline bool known_kind(int64_t k) { return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0; }
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q6_K = 14, U8_MIN = 1007 };
+inline bool known_kind(int64_t k) {
+  return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q6_K;
+}
 constexpr bool has_min(Kind k) { return k == Q4_1 || k == Q5_1 || k == U8_MIN; }  // + m * dx * s
-constexpr bool has_high(Kind k) { return k == Q5_0 || k == Q5_1; }                // 5th bits behind the nibbles
-constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN; }           // a byte a weight
+constexpr int high_planes(Kind k) {  // words of bits above the nibbles: Q5's 5th, Q6_K's 5th and 6th
+  return k == Q5_0 || k == Q5_1 ? 1 : (k == Q6_K ? 2 : 0);
+}
+constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
+constexpr bool is_q5(Kind k) { return k == Q5_0 || k == Q5_1; }
+constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN; }  // a byte a weight
+constexpr int64_t scale_span(Kind k) { return k == Q6_K ? 256 : 32; }  // weights along K per entry of d
 
 inline const char* i8_path() {
 #if defined(DISAGG_I8_AVX512)
@@ -113,13 +124,12 @@ struct Q16 {
   int64_t N = 0, K = 0;
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;  // has_min(kind) only
+  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K: its int8 sub-block scales
   int64_t first_group = 0;      // qs starts at this group (a Q5 group's copy unpacked to a byte a weight)
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
-  static constexpr int64_t block_bytes(Kind k) {
-    return byte_quants(k) ? 512 : (has_high(k) ? 256 + 64 : 256);
-  }
+  static constexpr int64_t block_bytes(Kind k) { return byte_quants(k) ? 512 : 256 + 64 * high_planes(k); }
+  int64_t d_blocks() const { return K / scale_span(kind); }  // entries of d per group and output
   int64_t group_bytes() const { return NB() * block_bytes(kind); }
   const uint8_t* group_qs(int64_t g) const { return qs + (g - first_group) * group_bytes(); }
 };
@@ -130,13 +140,14 @@ struct ActQ8 {
   const float* dx = nullptr;   // [R, NB]
   const int32_t* s = nullptr;  // [R, NB]
   const float* dxs = nullptr;  // [R, NB]: dx * s (the minimum's term)
+  const int32_t* slo = nullptr;  // [R, NB]: the sum of each block's first 16 quants (Q6_K's two halves)
   int64_t K = 0;
 };
 
 // ---- activations -------------------------------------------------------------------------------------
 
 // One 32-block of activations -> its quants, scale and quant sum.
-inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs) {
+inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs, int32_t* slo) {
 #if defined(__AVX512F__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -147,6 +158,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, f
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
   *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  *slo = _mm512_reduce_add_epi32(i0);
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
@@ -157,6 +169,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, f
     const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
     qb[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
     sum += qb[i];
+    if (i == BLOCK / 2 - 1) *slo = sum;
   }
   *s = sum;
 #endif
@@ -164,14 +177,14 @@ inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, f
   *dxs = d * static_cast<float>(*s);
 }
 
-// Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s (each row's blocks in order).
+// Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s, dxs, slo (each row's blocks in order).
 inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* dx, int32_t* s,
-                          float* dxs) {
+                          float* dxs, int32_t* slo) {
   const int64_t NB = K / BLOCK;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t i = r * NB + b;
-      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + i, s + i, dxs + i);
+      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + i, s + i, dxs + i, slo + i);
     }
 }
 
@@ -185,9 +198,9 @@ constexpr int32_t offset() {
   return KD == Q4_0 ? -8 : (KD == Q5_0 ? -16 : 0);
 }
 
-inline uint64_t high_bits(const uint8_t* qb, int v) {  // Q5: word v of a block's 5th bits
+inline uint64_t high_bits(const uint8_t* qb, int v, int plane = 0) {  // word v of a block's 5th (6th) bits
   uint64_t bits;
-  std::memcpy(&bits, qb + 256 + 8 * v, sizeof bits);
+  std::memcpy(&bits, qb + 256 + 64 * plane + 8 * v, sizeof bits);
   return bits;
 }
 
@@ -205,10 +218,11 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   constexpr int64_t BB = Q16::block_bytes(KD);
   const int64_t NB = w.NB(), K = w.K;
   const uint8_t* qg = w.group_qs(g);
-  const uint16_t* dg = w.d + g * NB * GROUP;
+  const uint16_t* dg = w.d + g * w.d_blocks() * GROUP;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP : nullptr;
+  const int8_t* sg = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i b5 = _mm512_set1_epi8(0x10);
+  const __m512i b5 = _mm512_set1_epi8(0x10), b6 = _mm512_set1_epi8(0x20);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
@@ -227,18 +241,35 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       }
       if constexpr (has_high(KD))
         for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
+      if constexpr (high_planes(KD) == 2)
+        for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, 1)), wv[v], b6);
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * GROUP)));
+    const uint16_t* db = dg + (b * BLOCK / scale_span(KD)) * GROUP;
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
     __m512 mv = _mm512_setzero_ps();
     if constexpr (has_min(KD))
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();  // Q6_K: the halves' sub-block scales
+    if constexpr (KD == Q6_K) {
+      sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
+      sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
       // the offset (Q8_0's +128 u8 offset here: -128 s) is where the sum starts
       const int32_t s = x.s[row * NB + b];
-      __m512i a = _mm512_set1_epi32((KD == Q8_0 ? -128 : offset<KD>()) * s);
-      if constexpr (R == 1) {  // two chains: one row has no other work to overlap the latency with
+      __m512i a;
+      if constexpr (KD == Q6_K) {  // per half: sum (q - 32) x, times the half's scale; |result| < 2^24
+        const int32_t slo = x.slo[row * NB + b];
+        __m512i lo = _mm512_set1_epi32(-32 * slo), hi = _mm512_set1_epi32(-32 * (s - slo));
+        for (int c = 0; c < 4; ++c) {
+          lo = _mm512_dpbusd_epi32(lo, wv[c], _mm512_set1_epi32(xi[c]));
+          hi = _mm512_dpbusd_epi32(hi, wv[c + 4], _mm512_set1_epi32(xi[c + 4]));
+        }
+        a = _mm512_add_epi32(_mm512_mullo_epi32(lo, sa), _mm512_mullo_epi32(hi, sb));
+      } else if constexpr (R == 1) {  // two chains: one row has no other work to overlap the latency with
+        a = _mm512_set1_epi32((KD == Q8_0 ? -128 : offset<KD>()) * s);
         __m512i a1 = _mm512_setzero_si512();
         for (int c = 0; c < 8; c += 2) {
           a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
@@ -246,6 +277,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
         }
         a = _mm512_add_epi32(a, a1);
       } else {
+        a = _mm512_set1_epi32((KD == Q8_0 ? -128 : offset<KD>()) * s);
         for (int c = 0; c < 8; ++c) a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
       }
       const float dx = x.dx[row * NB + b];
@@ -286,20 +318,22 @@ inline void unpack_q5_block(const uint8_t* qb, uint8_t* out) {
 #elif defined(DISAGG_I8_AVX2)
 // Eight outputs (half h of the group) at a time: 16 ymm registers do not hold a whole group's block.
 
-// Q5: half h's 32 bits of word v of the 5th bits (qb: the block's start + h * 32, as half_tile reads it).
-inline uint32_t half_bits(const uint8_t* qb, int v, int h) {
+// Q5: half h's 32 bits of word v of the 5th (plane 1: Q6_K's 6th) bits (qb: the block's start + h * 32, as
+// half_tile reads it).
+inline uint32_t half_bits(const uint8_t* qb, int v, int h, int plane = 0) {
   uint32_t bits;
-  std::memcpy(&bits, qb - 32 * h + 256 + 8 * v + 4 * h, sizeof bits);
+  std::memcpy(&bits, qb - 32 * h + 256 + 64 * plane + 8 * v + 4 * h, sizeof bits);
   return bits;
 }
 
-// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, 0x10 where the bit is set.
-inline __m256i fifth_bits(uint32_t bits) {
+// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, `value` (0x10; Q6_K's 6th: 0x20) where the bit
+// is set.
+inline __m256i fifth_bits(uint32_t bits, char value = 0x10) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of `bits` (each 128-bit lane holds all 4)
       _mm256_set1_epi32(static_cast<int32_t>(bits)),
       _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: 1 << (i % 8)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
 }
 
 template <Kind KD, int R>
@@ -307,14 +341,16 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   constexpr int64_t BB = Q16::block_bytes(KD);
   const int64_t NB = w.NB(), K = w.K;
   const uint8_t* qg = w.group_qs(g) + h * 32;  // (the 5th bits: qb - h * 32, see half_bits)
-  const uint16_t* dg = w.d + g * NB * GROUP + h * 8;
+  const uint16_t* dg = w.d + g * w.d_blocks() * GROUP + h * 8;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP + h * 8 : nullptr;
+  const int8_t* sg = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = qg + b * BB;
     if (h == 0) prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);  // the lines of both halves
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * GROUP)));
+    const uint16_t* db = dg + (b * BLOCK / scale_span(KD)) * GROUP;
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
     __m256 mv = _mm256_setzero_ps();
     if constexpr (has_min(KD)) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
     __m256i w5[8];  // Q5: the block's 5-bit quants, unpacked once for all rows
@@ -324,7 +360,14 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
         w5[2 * c] = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits(half_bits(qb, 2 * c, h)));
         w5[2 * c + 1] =
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits(half_bits(qb, 2 * c + 1, h)));
+        if constexpr (high_planes(KD) == 2)
+          for (int e = 2 * c; e < 2 * c + 2; ++e) w5[e] = _mm256_or_si256(w5[e], fifth_bits(half_bits(qb, e, h, 1), 0x20));
       }
+    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K: the halves' sub-block scales
+    if constexpr (KD == Q6_K) {
+      sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
+      sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + row * K + b * BLOCK);
@@ -337,6 +380,21 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
           const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wq, xb));
           a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
         }
+      } else if constexpr (KD == Q6_K) {
+        // per half: 2 x 2 products of <= 63 * 127 per 16-bit lane (at most 32,004) before widening; then - 32 x's sum,
+        // times the half's scale (|result| < 2^24)
+        const int32_t s = x.s[row * NB + b], slo = x.slo[row * NB + b];
+        __m256i half[2];
+        for (int p = 0; p < 2; ++p) {
+          const __m256i m16 = _mm256_add_epi16(_mm256_maddubs_epi16(w5[4 * p], _mm256_set1_epi32(xi[4 * p])),
+                                               _mm256_maddubs_epi16(w5[4 * p + 1], _mm256_set1_epi32(xi[4 * p + 1])));
+          const __m256i n16 = _mm256_add_epi16(_mm256_maddubs_epi16(w5[4 * p + 2], _mm256_set1_epi32(xi[4 * p + 2])),
+                                               _mm256_maddubs_epi16(w5[4 * p + 3], _mm256_set1_epi32(xi[4 * p + 3])));
+          half[p] = _mm256_add_epi32(_mm256_madd_epi16(m16, ones), _mm256_madd_epi16(n16, ones));
+        }
+        half[0] = _mm256_sub_epi32(half[0], _mm256_set1_epi32(32 * slo));
+        half[1] = _mm256_sub_epi32(half[1], _mm256_set1_epi32(32 * (s - slo)));
+        a = _mm256_add_epi32(_mm256_mullo_epi32(half[0], sa), _mm256_mullo_epi32(half[1], sb));
       } else if constexpr (has_high(KD)) {
         // 2 products of <= 31 * 127 per 16-bit lane pair (at most 15,748) before each widening: no saturation
         a = _mm256_setzero_si256();
@@ -356,8 +414,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
         }
         a = _mm256_madd_epi16(p, ones);
       }
-      const int32_t s = x.s[row * NB + b];
-      if constexpr (offset<KD>() != 0) a = _mm256_add_epi32(a, _mm256_set1_epi32(offset<KD>() * s));
+      if constexpr (offset<KD>() != 0) a = _mm256_add_epi32(a, _mm256_set1_epi32(offset<KD>() * x.s[row * NB + b]));
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (has_min(KD)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
@@ -387,8 +444,9 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   float vals[R][GROUP] = {};
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = w.group_qs(g) + b * BB;
+    const int8_t* sc = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 2 * GROUP : nullptr;
     for (int64_t j = 0; j < GROUP; ++j) {
-      const float d = fp16_to_float(w.d[(g * NB + b) * GROUP + j]);
+      const float d = fp16_to_float(w.d[(g * w.d_blocks() + b * BLOCK / scale_span(KD)) * GROUP + j]);
       const float mn = has_min(KD) ? fp16_to_float(w.m[(g * NB + b) * GROUP + j]) : 0.0f;
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -398,19 +456,23 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
           for (int c = 0; c < 8; ++c)
             for (int i = 0; i < 4; ++i) dot += static_cast<int8_t>(qb[c * 64 + j * 4 + i]) * xq[4 * c + i];
         } else {
+          int32_t halves[2] = {0, 0};  // Q6_K: the sums of (q - 32) x over each half, weighted by its scale
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = qb[c * 64 + j * 4 + i];
               int32_t lo = byte & 0x0F, hi = byte >> 4;
-              if constexpr (has_high(KD)) {
-                lo |= static_cast<int32_t>((high_bits(qb, 2 * c) >> (j * 4 + i)) & 1) << 4;
-                hi |= static_cast<int32_t>((high_bits(qb, 2 * c + 1) >> (j * 4 + i)) & 1) << 4;
+              for (int p = 0; p < high_planes(KD); ++p) {
+                lo |= static_cast<int32_t>((high_bits(qb, 2 * c, p) >> (j * 4 + i)) & 1) << (4 + p);
+                hi |= static_cast<int32_t>((high_bits(qb, 2 * c + 1, p) >> (j * 4 + i)) & 1) << (4 + p);
               }
-              dot += lo * xq[8 * c + i] + hi * xq[8 * c + 4 + i];
+              if constexpr (KD == Q6_K)
+                halves[c / 2] += (lo - 32) * xq[8 * c + i] + (hi - 32) * xq[8 * c + 4 + i];
+              else
+                dot += lo * xq[8 * c + i] + hi * xq[8 * c + 4 + i];
             }
+          if constexpr (KD == Q6_K) dot = halves[0] * sc[j] + halves[1] * sc[GROUP + j];
         }
-        const int32_t s = x.s[row * NB + b];
-        dot += offset<KD>() * s;
+        dot += offset<KD>() * x.s[row * NB + b];
         const float dx = x.dx[row * NB + b];
         vals[r][j] += static_cast<float>(dot) * (d * dx);
         if constexpr (has_min(KD)) vals[r][j] += mn * x.dxs[row * NB + b];
@@ -459,7 +521,7 @@ template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
 #if defined(DISAGG_I8_AVX512)
-  if constexpr (has_high(KD)) {
+  if constexpr (is_q5(KD)) {
     if (R > Q5_UNPACK_ROWS) return groups_q5_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
 #endif
@@ -487,6 +549,7 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q4_1: groups_kind<Q4_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_0: groups_kind<Q5_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_1: groups_kind<Q5_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q6_K: groups_kind<Q6_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case U8_MIN: break;  // never stored (groups_q5_unpacked's copy)
   }
 }
