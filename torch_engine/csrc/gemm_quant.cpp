@@ -119,15 +119,19 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
             for (int64_t c = 0; c < 4; ++c)
               for (int64_t i = 0; i < 4; ++i)
                 blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(nib(8 * c + i) | (nib(8 * c + 4 + i) << 4));
-            // plane p's word v = 2c + half, bit j * 4 + i: bit 4 + p of element 8c + 4 half + i (in h, a block's
-            // 4 * planes bytes hold element e's bits at e * planes + p)
-            for (int64_t p = 0; p < planes; ++p) {
+            // vector v = 2c + half's byte j * 4 + i is element 8c + 4 half + i (in h, a block's 4 * planes bytes hold
+            // element e's bits above the nibble at bits e * planes ...); Q5: bit j * 4 + i of word v; Q6_K: bits
+            // 2 (v % 4) of byte j * 4 + i of crumb chunk v / 4
+            if (planes > 0) {
               const uint8_t* hb = hsrc + n * (K / 8 * planes) + b * 4 * planes;
               for (int64_t v = 0; v < 8; ++v)
                 for (int64_t i = 0; i < 4; ++i) {
-                  const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i, bit = e * planes + p;
-                  if ((hb[bit / 8] >> (bit % 8)) & 1)
-                    blk[256 + 64 * p + 8 * v + (j * 4 + i) / 8] |= 1u << ((j * 4 + i) % 8);
+                  const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i, bit = e * planes, jb = j * 4 + i;
+                  const int top = (hb[bit / 8] >> (bit % 8)) & ((1 << planes) - 1);
+                  if (six)
+                    blk[256 + 64 * (v / 4) + jb] |= static_cast<uint8_t>(top << (2 * (v % 4)));
+                  else if (top != 0)
+                    blk[256 + 8 * v + jb / 8] |= static_cast<uint8_t>(1u << (jb % 8));
                 }
             }
           }
@@ -228,7 +232,6 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
     } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32)
       const bool with_min = disagg_q::has_min(w.kind);
-      const int planes = disagg_q::high_planes(w.kind);
       const float mn = with_min ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
       const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : 0));
       const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K only
@@ -239,12 +242,9 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       for (int64_t c = 0; c < 4; ++c)
         for (int64_t i = 0; i < 4; ++i) {
           const uint8_t byte = blk[c * 64 + j * 4 + i];
-          const int bit = static_cast<int>(j * 4 + i);
-          int lo = byte & 0x0F, hi = byte >> 4;
-          for (int p = 0; p < planes; ++p) {
-            lo |= static_cast<int>((disagg_q::high_bits(blk, 2 * c, p) >> bit) & 1) << (4 + p);
-            hi |= static_cast<int>((disagg_q::high_bits(blk, 2 * c + 1, p) >> bit) & 1) << (4 + p);
-          }
+          const int jb = static_cast<int>(j * 4 + i);
+          const int lo = (byte & 0x0F) | disagg_q::high_value(w.kind, blk, 2 * c, jb);
+          const int hi = (byte >> 4) | disagg_q::high_value(w.kind, blk, 2 * c + 1, jb);
           o[8 * c + i] = value(lo, 8 * c + i);
           o[8 * c + 4 + i] = value(hi, 8 * c + 4 + i);
         }

@@ -12,7 +12,8 @@
 //   Q5 (Q5_0, Q5_1): Q4's 4 chunks (the low 4 bits), then 8 64-bit words of the 5th bits: word v = 2c + h
 //       stands for the vector of chunk c's low (h = 0) or high (h = 1) nibbles, its bit j * 4 + i the 5th bit
 //       of that vector's byte j * 4 + i (an AVX-512 byte mask as it stands; AVX2 takes its half's 32 bits).
-//   Q6_K: Q5's layout with a second 8 words behind the first, the 6th bits; q in 0..63 stands for q - 32.
+//   Q6_K: Q4's 4 chunks, then 2 chunks of the top two bits: byte b of chunk 4 + u holds, at bits 2t, those of
+//       byte b of vector v = 4u + t (chunk v / 2's low (v even) or high nibbles); q in 0..63 stands for q - 32.
 //   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
 //   Q6_K keeps GGUF's two-level scales: d [group][super-block of 256][16] fp16, and as `m` the sub-block
 //   scales [group][block][2][16] int8 (the block's first 16 weights', then its last 16's); a weight is
@@ -25,7 +26,7 @@
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
 //                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (past 16
-//                rows each group of Q5 unpacked once to a byte a weight: groups_q5_unpacked);
+//                rows each group of Q5 / Q6_K unpacked once to a byte a weight: groups_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 by the sign trick (|x| x sign(w, x));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
@@ -66,20 +67,22 @@ template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
-// GGML's type ids; and U8_MIN, never stored: a Q5_1 group unpacked to one unsigned byte a weight (Q8's layout,
-// the q of 0..31 as they are, Q5_1's scales and minimums), which AVX-512 computes past 16 rows.
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q6_K = 14, U8_MIN = 1007 };
+// GGML's type ids; and U8_MIN / U8_Q6K, never stored: a Q5_1 / Q6_K group unpacked to one unsigned byte a weight
+// (Q8's layout, the q of 0..31 / 0..63 as they are, the source's scales and minimums), which AVX-512 computes past
+// 16 rows.
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q6_K = 14, U8_MIN = 1007, U8_Q6K = 1014 };
 inline bool known_kind(int64_t k) {
   return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q6_K;
 }
 constexpr bool has_min(Kind k) { return k == Q4_1 || k == Q5_1 || k == U8_MIN; }  // + m * dx * s
-constexpr int high_planes(Kind k) {  // words of bits above the nibbles: Q5's 5th, Q6_K's 5th and 6th
+constexpr int high_planes(Kind k) {  // bits a weight above the nibble: Q5's 5th (words), Q6_K's top two (crumbs)
   return k == Q5_0 || k == Q5_1 ? 1 : (k == Q6_K ? 2 : 0);
 }
 constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
-constexpr bool is_q5(Kind k) { return k == Q5_0 || k == Q5_1; }
-constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN; }  // a byte a weight
-constexpr int64_t scale_span(Kind k) { return k == Q6_K ? 256 : 32; }  // weights along K per entry of d
+constexpr bool unpacks(Kind k) { return k == Q5_0 || k == Q5_1 || k == Q6_K; }  // (AVX-512, past 16 rows)
+constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_Q6K; }  // a byte a weight
+constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K; }  // Q6_K's int8 scale per 16 weights
+constexpr int64_t scale_span(Kind k) { return sub_scales(k) ? 256 : 32; }  // weights along K per entry of d
 
 inline const char* i8_path() {
 #if defined(DISAGG_I8_AVX512)
@@ -198,10 +201,16 @@ constexpr int32_t offset() {
   return KD == Q4_0 ? -8 : (KD == Q5_0 ? -16 : 0);
 }
 
-inline uint64_t high_bits(const uint8_t* qb, int v, int plane = 0) {  // word v of a block's 5th (6th) bits
+inline uint64_t high_bits(const uint8_t* qb, int v) {  // Q5: word v of a block's 5th bits
   uint64_t bits;
-  std::memcpy(&bits, qb + 256 + 64 * plane + 8 * v, sizeof bits);
+  std::memcpy(&bits, qb + 256 + 8 * v, sizeof bits);
   return bits;
+}
+
+// The bits above the nibble of byte jb (= j * 4 + i) of a block's vector v, in place (<< 4): Q5's 5th, Q6_K's two.
+inline int high_value(Kind k, const uint8_t* qb, int v, int jb) {
+  if (k == Q6_K) return ((qb[256 + 64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) << 4;
+  return has_high(k) ? static_cast<int>((high_bits(qb, v) >> jb) & 1) << 4 : 0;
 }
 
 // accumulate: y += the result (a residual add) instead of y = the result.
@@ -212,6 +221,19 @@ inline void store_group(const float* vals, float* y, const float* bias, int64_t 
 }
 
 #if defined(DISAGG_I8_AVX512)
+// Q6_K: the top two bits of each of a block's 8 vectors (their crumbs, see the top of the file) or-ed in as 0x10 /
+// 0x20. 16-bit shifts carry bits across bytes only into positions the 0x30 mask drops.
+inline void six_bits512(const uint8_t* qb, __m512i wv[8]) {
+  const __m512i top = _mm512_set1_epi8(0x30);
+  for (int u = 0; u < 2; ++u) {
+    const __m512i hv = _mm512_loadu_si512(qb + 256 + 64 * u);
+    wv[4 * u] = _mm512_or_si512(wv[4 * u], _mm512_and_si512(_mm512_slli_epi16(hv, 4), top));
+    wv[4 * u + 1] = _mm512_or_si512(wv[4 * u + 1], _mm512_and_si512(_mm512_slli_epi16(hv, 2), top));
+    wv[4 * u + 2] = _mm512_or_si512(wv[4 * u + 2], _mm512_and_si512(hv, top));
+    wv[4 * u + 3] = _mm512_or_si512(wv[4 * u + 3], _mm512_and_si512(_mm512_srli_epi16(hv, 2), top));
+  }
+}
+
 template <Kind KD, int R>
 inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
                        const float* bias, bool accumulate) {
@@ -220,9 +242,9 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   const uint8_t* qg = w.group_qs(g);
   const uint16_t* dg = w.d + g * w.d_blocks() * GROUP;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP : nullptr;
-  const int8_t* sg = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
+  const int8_t* sg = sub_scales(KD) ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i b5 = _mm512_set1_epi8(0x10), b6 = _mm512_set1_epi8(0x20);
+  const __m512i b5 = _mm512_set1_epi8(0x10);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
@@ -231,7 +253,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     __m512i wv[8];
     if constexpr (KD == Q8_0) {
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
-    } else if constexpr (KD == U8_MIN) {
+    } else if constexpr (KD == U8_MIN || KD == U8_Q6K) {
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(qb + c * 64);
     } else {
       for (int c = 0; c < 4; ++c) {
@@ -239,10 +261,10 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
         wv[2 * c] = _mm512_and_si512(v, low4);
         wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      if constexpr (has_high(KD))
+      if constexpr (KD == Q6_K)
+        six_bits512(qb, wv);
+      else if constexpr (has_high(KD))
         for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
-      if constexpr (high_planes(KD) == 2)
-        for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, 1)), wv[v], b6);
     }
     const uint16_t* db = dg + (b * BLOCK / scale_span(KD)) * GROUP;
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
@@ -250,7 +272,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     if constexpr (has_min(KD))
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();  // Q6_K: the halves' sub-block scales
-    if constexpr (KD == Q6_K) {
+    if constexpr (sub_scales(KD)) {
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
@@ -260,7 +282,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       // the offset (Q8_0's +128 u8 offset here: -128 s) is where the sum starts
       const int32_t s = x.s[row * NB + b];
       __m512i a;
-      if constexpr (KD == Q6_K) {  // per half: sum (q - 32) x, times the half's scale; |result| < 2^24
+      if constexpr (sub_scales(KD)) {  // per half: sum (q - 32) x, times the half's scale; |result| < 2^24
         const int32_t slo = x.slo[row * NB + b];
         __m512i lo = _mm512_set1_epi32(-32 * slo), hi = _mm512_set1_epi32(-32 * (s - slo));
         for (int c = 0; c < 4; ++c) {
@@ -302,38 +324,38 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 }
 constexpr int TILE_ROWS = 8;
 
-// One Q5 block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values (q - 16,
-// signed), Q5_1's as U8_MIN (q, unsigned).
+// One Q5 / Q6_K block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values (q - 16,
+// signed), Q5_1's as U8_MIN and Q6_K's as U8_Q6K (q, unsigned).
 template <Kind KD>
-inline void unpack_q5_block(const uint8_t* qb, uint8_t* out) {
+inline void unpack_block(const uint8_t* qb, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), b5 = _mm512_set1_epi8(0x10);
+  __m512i wv[8];
   for (int v = 0; v < 8; ++v) {
     const __m512i raw = _mm512_loadu_si512(qb + (v / 2) * 64);
-    const __m512i q = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(raw, 4) : raw, low4);
-    const __m512i q5 = _mm512_mask_add_epi8(q, _cvtu64_mask64(high_bits(qb, v)), q, b5);
-    _mm512_storeu_si512(out + v * 64, KD == Q5_0 ? _mm512_sub_epi8(q5, b5) : q5);
+    wv[v] = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(raw, 4) : raw, low4);
+    if constexpr (KD != Q6_K) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
   }
+  if constexpr (KD == Q6_K) six_bits512(qb, wv);
+  for (int v = 0; v < 8; ++v) _mm512_storeu_si512(out + v * 64, KD == Q5_0 ? _mm512_sub_epi8(wv[v], b5) : wv[v]);
 }
 
 #elif defined(DISAGG_I8_AVX2)
 // Eight outputs (half h of the group) at a time: 16 ymm registers do not hold a whole group's block.
 
-// Q5: half h's 32 bits of word v of the 5th (plane 1: Q6_K's 6th) bits (qb: the block's start + h * 32, as
-// half_tile reads it).
-inline uint32_t half_bits(const uint8_t* qb, int v, int h, int plane = 0) {
+// Q5: half h's 32 bits of word v of the 5th bits (qb: the block's start + h * 32, as half_tile reads it).
+inline uint32_t half_bits(const uint8_t* qb, int v, int h) {
   uint32_t bits;
-  std::memcpy(&bits, qb - 32 * h + 256 + 64 * plane + 8 * v + 4 * h, sizeof bits);
+  std::memcpy(&bits, qb - 32 * h + 256 + 8 * v + 4 * h, sizeof bits);
   return bits;
 }
 
-// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, `value` (0x10; Q6_K's 6th: 0x20) where the bit
-// is set.
-inline __m256i fifth_bits(uint32_t bits, char value = 0x10) {
+// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, 0x10 where the bit is set.
+inline __m256i fifth_bits(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of `bits` (each 128-bit lane holds all 4)
       _mm256_set1_epi32(static_cast<int32_t>(bits)),
       _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: 1 << (i % 8)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
 template <Kind KD, int R>
@@ -354,15 +376,27 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
     __m256 mv = _mm256_setzero_ps();
     if constexpr (has_min(KD)) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
     __m256i w5[8];  // Q5: the block's 5-bit quants, unpacked once for all rows
-    if constexpr (has_high(KD))
+    if constexpr (KD == Q6_K) {  // the crumbs of this half (see six_bits512)
+      const __m256i top = _mm256_set1_epi8(0x30);
+      for (int u = 0; u < 2; ++u) {
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 256 + 64 * u));
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (2 * u) * 64));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (2 * u + 1) * 64));
+        w5[4 * u] = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(hv, 4), top));
+        w5[4 * u + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                                        _mm256_and_si256(_mm256_slli_epi16(hv, 2), top));
+        w5[4 * u + 2] = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(hv, top));
+        w5[4 * u + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
+      }
+    } else if constexpr (has_high(KD)) {
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
         w5[2 * c] = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits(half_bits(qb, 2 * c, h)));
         w5[2 * c + 1] =
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits(half_bits(qb, 2 * c + 1, h)));
-        if constexpr (high_planes(KD) == 2)
-          for (int e = 2 * c; e < 2 * c + 2; ++e) w5[e] = _mm256_or_si256(w5[e], fifth_bits(half_bits(qb, e, h, 1), 0x20));
       }
+    }
     __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K: the halves' sub-block scales
     if constexpr (KD == Q6_K) {
       sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
@@ -460,11 +494,9 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = qb[c * 64 + j * 4 + i];
-              int32_t lo = byte & 0x0F, hi = byte >> 4;
-              for (int p = 0; p < high_planes(KD); ++p) {
-                lo |= static_cast<int32_t>((high_bits(qb, 2 * c, p) >> (j * 4 + i)) & 1) << (4 + p);
-                hi |= static_cast<int32_t>((high_bits(qb, 2 * c + 1, p) >> (j * 4 + i)) & 1) << (4 + p);
-              }
+              const int jb = static_cast<int>(j * 4 + i);
+              const int32_t lo = (byte & 0x0F) | high_value(KD, qb, 2 * c, jb);
+              const int32_t hi = (byte >> 4) | high_value(KD, qb, 2 * c + 1, jb);
               if constexpr (KD == Q6_K)
                 halves[c / 2] += (lo - 32) * xq[8 * c + i] + (hi - 32) * xq[8 * c + 4 + i];
               else
@@ -490,17 +522,17 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
                         const float* bias, bool accumulate);
 
 #if defined(DISAGG_I8_AVX512)
-// Q5 over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks of the same
-// values; Q5_1: U8_MIN), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of
+// Q5 / Q6_K over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks of the
+// same values; Q5_1: U8_MIN; Q6_K: U8_Q6K, at 256 rows 0.77x of Q8_0's time without), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of
 // unpacking each block again per tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4).
 // Not on AVX2: its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned products there (the AVX2
 // build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
-constexpr int64_t Q5_UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
+constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
 
 template <Kind KD>
-inline void groups_q5_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
+inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
                                int64_t ldy, const float* bias, bool accumulate) {
-  constexpr Kind UK = KD == Q5_0 ? Q8_0 : U8_MIN;
+  constexpr Kind UK = KD == Q5_0 ? Q8_0 : (KD == Q5_1 ? U8_MIN : U8_Q6K);
   thread_local std::vector<uint8_t> buf;  // (the step's parallel region: grows once to the widest K, never throws
                                           // in practice: 16 KB per 1,000 columns)
   const int64_t NB = w.NB(), BB = Q16::block_bytes(KD), XB = Q16::block_bytes(UK);
@@ -510,7 +542,7 @@ inline void groups_q5_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t 
   wx.qs = buf.data();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = w.group_qs(g);
-    for (int64_t b = 0; b < NB; ++b) unpack_q5_block<KD>(qg + b * BB, buf.data() + b * XB);
+    for (int64_t b = 0; b < NB; ++b) unpack_block<KD>(qg + b * BB, buf.data() + b * XB);
     wx.first_group = g;
     groups_kind<UK>(wx, x, R, g, g + 1, y, ldy, bias, accumulate);
   }
@@ -521,8 +553,8 @@ template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
 #if defined(DISAGG_I8_AVX512)
-  if constexpr (is_q5(KD)) {
-    if (R > Q5_UNPACK_ROWS) return groups_q5_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
+  if constexpr (unpacks(KD)) {
+    if (R > UNPACK_ROWS) return groups_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
 #endif
   for (int64_t g = g0; g < g1; ++g) {
@@ -550,7 +582,8 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q5_0: groups_kind<Q5_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_1: groups_kind<Q5_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q6_K: groups_kind<Q6_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
-    case U8_MIN: break;  // never stored (groups_q5_unpacked's copy)
+    case U8_MIN:
+    case U8_Q6K: break;  // never stored (groups_unpacked's copies)
   }
 }
 
