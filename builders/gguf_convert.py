@@ -1,17 +1,12 @@
 """GGUF block formats the engine does not compute with, converted at build time into ones it does.
 
 Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
-sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_1 /
-Q8_0 there). With ``--weights
-as-stored`` (the default) each 2-D tensor in such a format becomes one of the engine's block formats
-(``torch_engine/quant.py``), so the integer kernels read it packed instead of a dense bf16 copy:
+sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_K / Q6_K,
+and Q5_1 / Q8_0 there). The engine computes with Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0 and Q4_1 as stored
+(``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format becomes
+one of those, so the integer kernels read it packed instead of a dense bf16 copy:
 
-- **Q4_K -> Q4_1.** A Q4_K super-block is 8 sub-blocks of 32 weights, each ``d * sc * q - dmin * m``
-  with q in 0..15 and 6-bit sc, m: a Q4_1 block with scale ``d * sc`` and minimum ``-dmin * m``. The
-  quants are kept; Q4_1 stores scale and minimum in fp16, so those two products are rounded to fp16
-  (each within 2^-11 of itself relatively): the only error.
-- Q6_K, Q5_0, Q5_1 (and Q8_0, Q4_0, Q4_1) stay as stored: the engine computes with them.
-- **Every other quantized format** gguf can dequantise (Q5_K, Q2_K, Q3_K, the IQ
+- **Every other quantized format** gguf can dequantise (Q2_K, Q3_K, the IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
 - F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q5_1 | q5_0 | q4_1 | q4_0`` quantizes them).
@@ -33,12 +28,11 @@ from gguf.quants import dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.quantize import QuantReport, quantize_tensor
-from torch_engine.quant import BLOCK, Packed, QuantKind
+from torch_engine.quant import Packed, QuantKind
 
 log = logging.getLogger(__name__)
 
 _K = GGMLQuantizationType
-_Q4_K_BYTES = 144  # d, dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes of 4-bit quants
 _DENSE = {_K.F32, _K.F16, _K.BF16, _K.F64, _K.I8, _K.I16, _K.I32, _K.I64}
 
 
@@ -48,8 +42,8 @@ def converts(qtype: GGMLQuantizationType) -> bool:
 
 
 def target(qtype: GGMLQuantizationType) -> QuantKind:
-    """The engine format a ``qtype`` tensor becomes."""
-    return QuantKind.Q4_1 if qtype is _K.Q4_K else QuantKind.Q8_0
+    """The engine format a converted ``qtype`` tensor becomes."""
+    return QuantKind.Q8_0
 
 
 def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], report: QuantReport) -> Packed:
@@ -57,50 +51,16 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     -> the engine's packed form, its error against gguf's dequantisation added to ``report``."""
     n, k = shape
     exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
-    if qtype is _K.Q4_K:
-        packed = _q4_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q4_K_BYTES), n, k)
-    else:
-        packed = quantize_tensor(exact, QuantKind.Q8_0)
+    packed = quantize_tensor(exact, target(qtype))
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
     return packed
 
 
-def _q4_k(blocks: np.ndarray, n: int, k: int) -> Packed:
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [S, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = _scale_min(blocks[:, 4:16])  # [S, 8] each, 0..63
-    scale = (d * sc.astype(np.float32)).astype(np.float16)  # fp32 products are exact; fp16 rounds them
-    minimum = (-(dmin * mn.astype(np.float32))).astype(np.float16)
-    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
-        raise ValueError("a Q4_K scale or minimum does not fit fp16")
-    # quants: 4 chunks of 32 bytes, low nibbles sub-block 2c, high nibbles 2c + 1 (element j from byte j)
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(-1, 8, 32)  # [S, sub-block, element]
-    packed_q = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1: byte j = element j | element j + 16 << 4
-    nb = k // BLOCK
-    return Packed(
-        QuantKind.Q4_1,
-        torch.from_numpy(np.ascontiguousarray(packed_q).reshape(n, nb * 16)),
-        torch.from_numpy(np.ascontiguousarray(scale).reshape(n, nb)),
-        torch.from_numpy(np.ascontiguousarray(minimum).reshape(n, nb)),
-    )
-
-
-def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes per super-block -> 8 scales and 8 minimums of 6 bits (llama.cpp's
-    ``get_scale_min_k4``: the first four in the low 6 bits of bytes 0-3 / 4-7, the last four split
-    over bytes 8-11 and the top bits of bytes 0-7)."""
-    s = scales.reshape(-1, 3, 4)
-    a, b, c = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
-    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
-    return sc, mn
-
-
 # ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------
 # llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K; SmolLM2's:
-# attn_v in Q8_0 in some layers, q / k in Q5_0). Q6_K neither converts exactly into another format nor another
-# into it (its scales are two-level), so a group mixing it with others becomes Q8_0, the finest.
+# attn_v in Q8_0 in some layers, q / k in Q5_0). Q4_K converts exactly into Q5_K (the 5th bits 0); otherwise nothing
+# converts exactly into or out of the K-quants' two-level scales, so a group mixing one with another format becomes
+# Q8_0, the finest.
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
 # The formats each one converts into exactly (the same values; _as), and the order the formats are tried in: the
@@ -111,25 +71,27 @@ _EXACT = {
     QuantKind.Q5_0: {QuantKind.Q5_1, QuantKind.Q8_0},
     QuantKind.Q5_1: set(),
     QuantKind.Q8_0: set(),
+    QuantKind.Q4_K: {QuantKind.Q5_K},
+    QuantKind.Q5_K: set(),
     QuantKind.Q6_K: set(),
 }
-_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q8_0: 4}
+_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3,
+         QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
+_K_QUANTS = {QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K}
 
 
 def _common(kinds: set[QuantKind]) -> QuantKind:
-    if QuantKind.Q6_K in kinds:
-        return QuantKind.Q8_0
     for kind in sorted(_BITS, key=_BITS.__getitem__):
         if all(k is kind or kind in _EXACT[k] for k in kinds):
             return kind
-    return max(kinds, key=_BITS.__getitem__)
+    return QuantKind.Q8_0 if kinds & _K_QUANTS else max(kinds, key=_BITS.__getitem__)
 
 
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
     """``ck`` with the members of each fused group in one format: all packed ones in the smallest format every
-    one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0),
-    else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any mix with Q6_K -> Q8_0; the error
-    recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0, Q4_K ->
+    Q5_K), else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any other mix with a K-quant ->
+    Q8_0; the error recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):
@@ -163,6 +125,8 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
         return _q5(kind, w.d, w.quants() + 8)
     if w.kind is QuantKind.Q4_1 and kind is QuantKind.Q5_1:  # the same values, the 5th bits 0
         return _q5(kind, w.d, w.quants(), w.m)
+    if w.kind is QuantKind.Q4_K and kind is QuantKind.Q5_K:  # the same scales and quants, the 5th bits 0
+        return Packed(kind, w.qs, w.d, w.m, torch.zeros(n, k // 8, dtype=torch.uint8))
     offset = {QuantKind.Q4_0: 8, QuantKind.Q5_0: 16}.get(w.kind)
     if offset is not None and kind is QuantKind.Q5_1 and bool((w.d.abs() < 60000 / offset).all()):
         return _q5(kind, w.d, w.quants(), -offset * w.d)  # d (q - o) = d q + (-o d): exact in fp16

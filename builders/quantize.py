@@ -1,15 +1,16 @@
-"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q6_k | q5_1 | q5_0 |
-q4_1 | q4_0``).
+"""Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q6_k | q5_k | q5_1 |
+q5_0 | q4_k | q4_1 | q4_0``).
 
 A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
 are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
 kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantizer — the file a
-``llama-quantize`` run would write for those tensors — or, for Q6_K, which gguf's Python package cannot
-quantize, by ``quantize_q6_k`` here (a plain round-to-nearest, not llama.cpp's error search):
+``llama-quantize`` run would write for those tensors — or, for the K-quants, which gguf's Python package cannot
+quantize, by ``quantize_q6_k`` / ``quantize_k4`` here (plain round-to-nearest, not llama.cpp's error search):
 
 - the decoder layers' attention projections (q, k, v, o) and dense MLP (gate, up, down): the chosen
   format (Q8_0: int8 per block of 32 with an fp16 scale; Q6_K: 6 bits with an int8 scale per 16 and an fp16
-  one per 256, Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
+  one per 256; Q5_K / Q4_K: 5 / 4 bits with a 6-bit scale and minimum per 32 and fp16 ones per 256; the K-quants
+  Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
   scale; Q5_1: 5 bits with a scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a
   minimum);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
@@ -88,7 +89,41 @@ def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
     uint8): gguf's reference quantizer, ``quantize_q6_k`` for Q6_K."""
     if kind is QuantKind.Q6_K:
         return quantize_q6_k(w)
+    if kind.two_level:
+        return quantize_k4(w, kind)
     return np.asarray(quantize(w, GGMLQuantizationType(int(kind))))
+
+
+def quantize_k4(w: np.ndarray, kind: QuantKind) -> np.ndarray:
+    """``[N, K]`` fp32 (K a multiple of 256) -> Q4_K / Q5_K super-blocks, GGUF's byte layout (see
+    ``torch_engine.quant._from_k4``). Each 32 weights' range [min(x, 0), max(x)] spans the quants (0..15 / 0..31);
+    the super-block's fp16 ``d`` / ``dmin`` map the largest scale / minimum to 63, each rounds to 6 bits of it, and
+    the quants round to nearest under the final scale and minimum."""
+    n, k = w.shape
+    if k % 256:
+        raise ValueError(f"{kind.name} needs a multiple of 256 columns, got {k}")
+    top = 31 if kind is QuantKind.Q5_K else 15
+    sub = w.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale, offset = (sub.max(axis=2) - lo) / top, -lo
+    d = (scale.max(axis=1, keepdims=True) / 63).astype(np.float16)
+    dmin = (offset.max(axis=1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32) * sc)[:, :, None]
+    shift = (dmin.astype(np.float32) * mn)[:, :, None]
+    q = np.clip(np.round((sub + shift) / np.where(step == 0, 1, step)), 0, top).astype(np.uint8)  # [S, 8, 32]
+    scales = np.zeros((sub.shape[0], 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    low = q & 0x0F
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c + 1
+    parts = [d.view(np.uint8), dmin.view(np.uint8), scales]
+    if kind is QuantKind.Q5_K:  # byte i, bit s: sub-block s's element i's 5th bit
+        parts.append(((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8))
+    blocks = np.concatenate([*parts, qs], axis=1)
+    return blocks.reshape(n, k // 256 * kind.block_bytes)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -143,7 +178,7 @@ def quantize_checkpoint(ck: Checkpoint, kind: QuantKind) -> tuple[Checkpoint, Qu
         target = _target(name, ck, kind)
         if target is None or not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] % BLOCK:
             continue
-        if w.shape[1] % target.block_weights:  # Q6_K's rows of 256: Q8_0 otherwise, as llama.cpp falls back
+        if w.shape[1] % target.block_weights:  # the K-quants' rows of 256: Q8_0 otherwise, as llama.cpp falls back
             target = QuantKind.Q8_0
         packed = quantize_tensor(w, target)
         report.add(target, w, packed)

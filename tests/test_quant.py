@@ -65,7 +65,8 @@ def test_packed_form_dequantises_bit_equal_to_gguf(kind: QuantKind) -> None:
     p, raw = _packed(kind, 48, k)
     want = np.asarray(dequantize(raw, GGMLQuantizationType(int(kind))), dtype=np.float32).reshape(48, k)
     assert torch.equal(p.dequantize(), torch.from_numpy(want))
-    assert p.shape == (48, k) and p.nbytes == raw.nbytes
+    unpacked = 48 * k // 256 * 4 if kind.two_level else 0  # Q4_K / Q5_K: 16 bytes of 6-bit scales, not 12
+    assert p.shape == (48, k) and p.nbytes == raw.nbytes + unpacked
 
 
 def test_the_shipped_files_tensors_dequantise_bit_equal() -> None:
@@ -308,7 +309,7 @@ def test_the_same_values_in_two_formats_compute_the_same(
     assert same(a.gemm(kernels, x, bias, precise=True), b.gemm(kernels, x, bias, precise=True))
 
 
-@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q6_K])
+@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K])
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their
     remainders; past 16 rows on AVX-512, each group unpacked to a byte a weight first) and all compute the same

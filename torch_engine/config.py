@@ -191,7 +191,7 @@ class EngineManifest(_Frozen):
     fingerprint: str
     has_tokenizer: bool = True
     weights: WeightStorage = WeightStorage.DENSE
-    # relative RMS error of each build-time change of a weight format ("Q4_K->Q4_1", "dense->Q8_0", ...)
+    # relative RMS error of each build-time change of a weight format ("Q3_K->Q8_0", "dense->Q8_0", ...)
     conversion_error: dict[str, float] = Field(default_factory=dict)
 
     @classmethod

@@ -2,21 +2,22 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
-``Q8_0``, ``Q6_K``, ``Q5_0``, ``Q5_1``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays (one sequential
-stream each for the kernels, and plain tensors for safetensors):
+``Q8_0``, ``Q6_K``, ``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays
+(one sequential stream each for the kernels, and plain tensors for safetensors):
 
 - ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (the others' low 4 bits: byte j of a block
   holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order);
-- ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K: each super-block of 256's, ``[N, K / 256]``);
+- ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K: each super-block of 256's, ``[N, K / 256]``; Q4_K
+  and Q5_K: each super-block's scale and minimum's scale, ``d`` then ``dmin``, ``[N, K / 128]``);
 - ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1); Q6_K: its sub-block scales, one per 16
-  weights, ``[N, K / 16]`` int8;
+  weights, ``[N, K / 16]`` int8; Q4_K and Q5_K: each block's 6-bit scale and minimum, ``[N, K / 16]`` uint8;
 - ``h``: the bits above the low 4, ``[N, K / 8]`` uint8 for Q5_0 and Q5_1 (a block's 4 bytes, bit e of them element
-  e's 5th, GGUF's little-endian ``qh``), ``[N, K / 4]`` for Q6_K (a block's 8 bytes, bits 2e and 2e + 1 element
-  e's 5th and 6th).
+  e's 5th, GGUF's little-endian ``qh``; and Q5_K), ``[N, K / 4]`` for Q6_K (a block's 8 bytes, bits 2e and 2e + 1
+  element e's 5th and 6th).
 
 Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 and
-Q5_1 ``d * q + m``, computed in fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to
-it; the tests check).
+Q5_1 ``d * q + m``, Q4_K and Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as
+``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
 and scales with 16 output rows interleaved, the layout of the integer kernels
@@ -47,34 +48,46 @@ class QuantKind(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
 
     @property
     def block_weights(self) -> int:
-        """Weights of one GGUF block (Q6_K: a super-block of 256), the finest cut along K."""
-        return 256 if self is QuantKind.Q6_K else BLOCK
+        """Weights of one GGUF block (the K-quants: a super-block of 256), the finest cut along K."""
+        return 256 if self in (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K) else BLOCK
+
+    @property
+    def two_level(self) -> bool:
+        """Q4_K / Q5_K: a scale and a minimum per block of 32 (6 bits each) times a super-block's ``d`` / ``dmin``."""
+        return self in (QuantKind.Q4_K, QuantKind.Q5_K)
+
+    @property
+    def d_weights(self) -> int:
+        """Weights along K per column of ``Packed.d``."""
+        return 256 if self is QuantKind.Q6_K else (128 if self.two_level else BLOCK)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one GGUF block of ``block_weights`` (scale, [minimum,] [high bits,] quants)."""
         return {
             QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34,
-            QuantKind.Q6_K: 210,
+            QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210,
         }[self]  # fmt: skip
 
     @property
     def has_min(self) -> bool:
-        return self in (QuantKind.Q4_1, QuantKind.Q5_1)
+        return self in (QuantKind.Q4_1, QuantKind.Q5_1) or self.two_level
 
     @property
     def has_m(self) -> bool:
-        """Whether ``Packed.m`` is stored: the minimums, or Q6_K's sub-block scales."""
+        """Whether ``Packed.m`` is stored: the minimums, Q6_K's sub-block scales, Q4_K / Q5_K's scales and minimums."""
         return self.has_min or self is QuantKind.Q6_K
 
     @property
     def high_bits(self) -> int:
         """Bits per weight stored apart above the low 4 (``Packed.h``): Q5's 5th, Q6_K's 5th and 6th."""
-        return {QuantKind.Q5_0: 1, QuantKind.Q5_1: 1, QuantKind.Q6_K: 2}.get(self, 0)
+        return {QuantKind.Q5_0: 1, QuantKind.Q5_1: 1, QuantKind.Q5_K: 1, QuantKind.Q6_K: 2}.get(self, 0)
 
     @property
     def has_high(self) -> bool:
@@ -93,7 +106,7 @@ class Packed:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * self.kind.block_weights
+        return self.d.shape[0], self.d.shape[1] * self.kind.d_weights
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +124,7 @@ class Packed:
         return self._map(lambda t: t[index])
 
     def columns(self, start: int, length: int) -> Packed:
-        """Columns ``[start, start + length)``; both must fall on block boundaries (Q6_K: super-blocks)."""
+        """Columns ``[start, start + length)``; both must fall on block boundaries (the K-quants: super-blocks)."""
         unit = self.kind.block_weights
         if start % unit or length % unit:
             raise ValueError(
@@ -119,14 +132,14 @@ class Packed:
                 f"not [{start}, {start + length})"
             )
         per_q = 1 if self.kind is QuantKind.Q8_0 else 2
-        six = self.kind is QuantKind.Q6_K
+        paired = self.kind is QuantKind.Q6_K or self.kind.two_level  # m: a byte each half block / two a block
 
         def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
             return None if t is None else t[:, start // per : (start + length) // per].clone()
 
-        qs, d = cut(self.qs, per_q), cut(self.d, unit)
+        qs, d = cut(self.qs, per_q), cut(self.d, self.kind.d_weights)
         assert qs is not None and d is not None
-        m, h = cut(self.m, 16 if six else BLOCK), cut(self.h, 8 // max(self.kind.high_bits, 1))
+        m, h = cut(self.m, 16 if paired else BLOCK), cut(self.h, 8 // max(self.kind.high_bits, 1))
         return Packed(self.kind, qs, d, m, h)
 
     def contiguous(self) -> Packed:
@@ -141,6 +154,13 @@ class Packed:
             scale = self.d.float().repeat_interleave(16, dim=1) * self.m.float()
             q = (self.quants().to(torch.int16) - 32).float().reshape(n, k // 16, 16)
             return (scale.reshape(n, k // 16, 1) * q).reshape(n, k).to(dtype)
+        if self.kind.two_level:  # as gguf: (d * sc) * q - dmin * mn
+            assert self.m is not None
+            ds = self.d.float().reshape(n, k // 256, 2)
+            sm = self.m.float().reshape(n, k // 256, 8, 2)
+            scale, minimum = ds[:, :, :1] * sm[..., 0], ds[:, :, 1:] * sm[..., 1]  # [n, k / 256, 8]
+            w = scale.reshape(n, nb, 1) * self.quants().float() - minimum.reshape(n, nb, 1)
+            return w.reshape(n, k).to(dtype)
         d = self.d.float().reshape(n, nb, 1)
         if self.kind is QuantKind.Q8_0:
             w = self.qs.reshape(n, nb, BLOCK).float() * d
@@ -188,6 +208,8 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
         raise ValueError(f"a {kind.name} tensor needs a multiple of {kind.block_weights} columns, got {k}")
     if kind is QuantKind.Q6_K:
         return _from_q6_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 210), n, k)
+    if kind.two_level:
+        return _from_k4(kind, np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, kind.block_bytes), n, k)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
     d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)).reshape(n, k // BLOCK)
     if kind is QuantKind.Q8_0:
@@ -223,12 +245,46 @@ def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     )
 
 
+def _from_k4(kind: QuantKind, blocks: np.ndarray, n: int, k: int) -> Packed:
+    """Q4_K / Q5_K super-blocks ``[N, K / 256, 144 or 176]`` (d, dmin, 12 bytes of 6-bit scales and minimums,
+    [qh: 32 bytes, bit s of byte i element 32 s + i's 5th,] qs: byte 32 c + i holds elements 64 c + i (low nibble) and
+    64 c + 32 + i (high)) -> the packed form."""
+    sb = blocks.shape[1]
+    d = blocks[:, :, 0:4].copy().view(np.float16).reshape(n, sb * 2)  # d, dmin per super-block
+    sc, mn = scale_min_k4(blocks[:, :, 4:16].reshape(n * sb, 12))  # [n * sb, 8] each
+    m = np.stack([sc, mn], axis=2).astype(np.uint8).reshape(n, k // 16)
+    at = 48 if kind is QuantKind.Q5_K else 16
+    ql = blocks[:, :, at:].reshape(n, sb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    low = (ql & 0x0F).reshape(n, k // BLOCK, BLOCK)
+    qs = low[:, :, :16] | (low[:, :, 16:] << 4)  # byte j: element j | element j + 16 << 4
+    h = None
+    if kind is QuantKind.Q5_K:
+        bits = blocks[:, :, 16:48].reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        top = (bits & 1).reshape(n, k // BLOCK, 4, 8)  # [block][byte][bit]: element 8 byte + bit
+        h = torch.from_numpy((top << np.arange(8, dtype=np.uint8)).sum(axis=3, dtype=np.uint8).reshape(n, k // 8))
+    return Packed(
+        kind, torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2)), torch.from_numpy(d), torch.from_numpy(m), h
+    )
+
+
+def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes per super-block -> 8 scales and 8 minimums of 6 bits (llama.cpp's
+    ``get_scale_min_k4``: the first four in the low 6 bits of bytes 0-3 / 4-7, the last four split
+    over bytes 8-11 and the top bits of bytes 0-7)."""
+    s = scales.reshape(-1, 3, 4)
+    a, b, c = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
 @dataclass(frozen=True, slots=True)
 class Grouped:
     """A ``Packed`` weight ``[n, k]`` repacked for the integer kernels (``csrc/qgemm.h``): quants
     ``qs`` in groups of 16 interleaved output rows, scales ``d`` / minimums ``m`` ``[groups, k / 32, 16]``
     (``m`` empty unless Q4_1 / Q5_1; Q6_K: ``d`` ``[groups, k / 256, 16]``, ``m`` its sub-block scales
-    ``[groups, k / 32, 32]`` int8)."""
+    ``[groups, k / 32, 32]`` int8; Q4_K / Q5_K: ``d`` ``[groups, k / 128, 16]`` (d, dmin), ``m`` ``[groups, k / 32,
+    32]`` uint8, the block's 16 scales then its 16 minimums)."""
 
     kind: QuantKind
     n: int

@@ -53,26 +53,28 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   return w;
 }
 
-// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32] (Q6_K: d [N, K/256], m [N, K/16] int8), h [N, K/8]
-// (Q6_K: [N, K/4])) -> [qs16, d16, m16 or empty] (qgemm.h; the bits above the nibbles go into qs16).
+// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32] (Q6_K: d [N, K/256], m [N, K/16] int8; Q4_K / Q5_K:
+// d [N, K/128] (d, dmin), m [N, K/16] uint8 (sc, mn)), h [N, K/8] (Q6_K: [N, K/4])) -> [qs16, d16, m16 or empty]
+// (qgemm.h; the bits above the nibbles go into qs16).
 std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                       torch::Tensor h) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   const auto k = static_cast<disagg_q::Kind>(kind);
   const int64_t span = disagg_q::scale_span(k);
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(),
-              "d must be [N, K/32] (Q6_K: [N, K/256]) fp16");
+              "d must be [N, K/32] (Q6_K: [N, K/256]; Q4_K / Q5_K: [N, K/128]) fp16");
   const int64_t N = d.size(0), K = d.size(1) * span, NB = K / BLOCK, ND = d.size(1), G = (N + 15) / 16;
-  const bool with_min = disagg_q::has_min(k), six = k == Q6_K;
+  const bool six = k == Q6_K, paired = six || disagg_q::two_level(k);  // m: two bytes a block
+  const bool with_min = disagg_q::has_min(k) && !paired;
   const int planes = disagg_q::high_planes(k);
   const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
   if (with_min)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 / Q5_1 need m [N, K/32] fp16");
-  if (six)
-    TORCH_CHECK(m.defined() && m.scalar_type() == torch::kChar && m.is_contiguous() && m.numel() == N * K / 16,
-                "Q6_K needs its sub-block scales m [N, K/16] int8");
+  if (paired)
+    TORCH_CHECK(m.defined() && m.element_size() == 1 && m.is_contiguous() && m.numel() == N * K / 16,
+                "Q6_K needs its sub-block scales m [N, K/16] int8, Q4_K / Q5_K their scales and minimums (uint8)");
   if (planes > 0)
     TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8 * planes,
                 "Q5_0 / Q5_1 need h [N, K/8], Q6_K h [N, K/4] (uint8)");
@@ -80,17 +82,17 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
   const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dsrc = d.data_ptr<at::Half>();
   const at::Half* msrc = with_min ? m.data_ptr<at::Half>() : nullptr;
-  const int8_t* scsrc = six ? m.data_ptr<int8_t>() : nullptr;
+  const uint8_t* scsrc = paired ? static_cast<const uint8_t*>(m.data_ptr()) : nullptr;
   const int64_t BB = disagg_q::Q16::block_bytes(k);
   auto qs16 = torch::zeros({G * NB * BB}, torch::TensorOptions().dtype(torch::kUInt8));
   auto d16 = torch::zeros({G, ND, 16}, torch::TensorOptions().dtype(torch::kHalf));
   torch::Tensor m16 = with_min ? torch::zeros({G, NB, 16}, torch::TensorOptions().dtype(torch::kHalf))
-                      : six    ? torch::zeros({G, NB, 32}, torch::TensorOptions().dtype(torch::kChar))
+                      : paired ? torch::zeros({G, NB, 32}, torch::TensorOptions().dtype(m.scalar_type()))
                                : torch::empty({0}, torch::TensorOptions().dtype(torch::kHalf));
   uint8_t* out = qs16.data_ptr<uint8_t>();
   at::Half* dout = d16.data_ptr<at::Half>();
   at::Half* mout = with_min ? m16.data_ptr<at::Half>() : nullptr;
-  int8_t* scout = six ? m16.data_ptr<int8_t>() : nullptr;
+  uint8_t* scout = paired ? static_cast<uint8_t*>(m16.data_ptr()) : nullptr;
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j = 0; j < 16 && g * 16 + j < N; ++j) {
@@ -222,22 +224,30 @@ torch::Tensor gemm_q8(torch::Tensor x, int64_t kind, torch::Tensor qs16, torch::
 // (all rows) the prefill path's dense tiles.
 void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
   const int64_t NB = w.NB(), BB = disagg_q::Q16::block_bytes(w.kind), g = n / 16, j = n % 16;
-  const int64_t span_blocks = disagg_q::scale_span(w.kind) / BLOCK;
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* blk = w.qs + (g * NB + b) * BB;
-    const float d = disagg_q::fp16_to_float(w.d[(g * w.d_blocks() + b / span_blocks) * 16 + j]);
+    const float d = disagg_q::fp16_to_float(w.d[(g * w.d_blocks() + disagg_q::d_entry(w.kind, b)) * 16 + j]);
     float* o = out + b * BLOCK;
     if (w.kind == Q8_0) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
-    } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32)
+    } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32),
+              // Q4_K / Q5_K (d sc) q - dmin mn
       const bool with_min = disagg_q::has_min(w.kind);
-      const float mn = with_min ? disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]) : 0.0f;
+      float scale = d, mn = 0.0f;
+      if (disagg_q::two_level(w.kind)) {
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(w.m) + (g * NB + b) * 32 + j;
+        const int64_t di = (g * w.d_blocks() + disagg_q::d_entry(w.kind, b)) * 16 + j;
+        scale = d * static_cast<float>(k8[0]);
+        mn = -(disagg_q::fp16_to_float(w.d[di + 16]) * static_cast<float>(k8[16]));
+      } else if (with_min) {
+        mn = disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]);
+      }
       const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : 0));
       const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K only
       auto value = [&](int q, int64_t e) {
         if (w.kind == Q6_K) return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
-        return with_min ? d * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
+        return with_min ? scale * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
       };
       for (int64_t c = 0; c < 4; ++c)
         for (int64_t i = 0; i < 4; ++i) {

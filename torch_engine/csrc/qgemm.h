@@ -1,4 +1,4 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_0 / Q4_1, blocks of 32 along K) and
+// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1, blocks of 32 along K) and
 // activations quantized to int8 per 32-block, as llama.cpp computes:
 // y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
 // (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
@@ -15,6 +15,9 @@
 //   Q6_K: Q4's 4 chunks, then 2 chunks of the top two bits: byte b of chunk 4 + u holds, at bits 2t, those of
 //       byte b of vector v = 4u + t (chunk v / 2's low (v even) or high nibbles); q in 0..63 stands for q - 32.
 //   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
+//   Q4_K / Q5_K (Q4's / Q5's layout) keep GGUF's two-level scales: d [group][super-block of 256][d, dmin][16] fp16,
+//   and as `m` [group][block][scale, minimum][16] uint8 (6 bits each); a weight is (d * sc) * q - dmin * mn, the
+//   block's float scale and minimum made per block (exact in fp32) and used as Q4_1 / Q5_1 use theirs.
 //   Q6_K keeps GGUF's two-level scales: d [group][super-block of 256][16] fp16, and as `m` the sub-block
 //   scales [group][block][2][16] int8 (the block's first 16 weights', then its last 16's); a weight is
 //   d * sc * (q - 32). Its integer sums are taken per half block and weighted by sc in int32 (exact).
@@ -67,22 +70,31 @@ template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
-// GGML's type ids; and U8_MIN / U8_Q6K, never stored: a Q5_1 / Q6_K group unpacked to one unsigned byte a weight
-// (Q8's layout, the q of 0..31 / 0..63 as they are, the source's scales and minimums), which AVX-512 computes past
-// 16 rows.
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q6_K = 14, U8_MIN = 1007, U8_Q6K = 1014 };
+// GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K, never stored: a Q5_1 / Q5_K / Q6_K group unpacked to one unsigned
+// byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are, the source's scales and minimums), which AVX-512
+// computes past 16 rows.
+enum Kind : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  U8_MIN = 1007, U8_K5 = 1013, U8_Q6K = 1014
+};  // clang-format: one line a family
 inline bool known_kind(int64_t k) {
-  return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q6_K;
+  return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q4_K || k == Q5_K || k == Q6_K;
 }
-constexpr bool has_min(Kind k) { return k == Q4_1 || k == Q5_1 || k == U8_MIN; }  // + m * dx * s
+constexpr bool two_level(Kind k) { return k == Q4_K || k == Q5_K || k == U8_K5; }  // d, dmin per 256; u8 sc, mn
+constexpr bool has_min(Kind k) { return k == Q4_1 || k == Q5_1 || k == U8_MIN || two_level(k); }  // + m * dx * s
 constexpr int high_planes(Kind k) {  // bits a weight above the nibble: Q5's 5th (words), Q6_K's top two (crumbs)
-  return k == Q5_0 || k == Q5_1 ? 1 : (k == Q6_K ? 2 : 0);
+  return k == Q5_0 || k == Q5_1 || k == Q5_K ? 1 : (k == Q6_K ? 2 : 0);
 }
 constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
-constexpr bool unpacks(Kind k) { return k == Q5_0 || k == Q5_1 || k == Q6_K; }  // (AVX-512, past 16 rows)
-constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_Q6K; }  // a byte a weight
+constexpr bool unpacks(Kind k) { return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K; }  // (AVX-512, > 16 rows)
+constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K; }  // a byte each
 constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K; }  // Q6_K's int8 scale per 16 weights
-constexpr int64_t scale_span(Kind k) { return sub_scales(k) ? 256 : 32; }  // weights along K per entry of d
+constexpr int64_t scale_span(Kind k) {  // weights along K per entry of d: 32; Q6_K one per 256; Q4_K / Q5_K two
+  return sub_scales(k) ? 256 : (two_level(k) ? 128 : 32);
+}
+constexpr int64_t d_entry(Kind k, int64_t b) {  // block b's entry of d (Q4_K / Q5_K: its super-block's d; dmin next)
+  return sub_scales(k) ? b / 8 : (two_level(k) ? b / 8 * 2 : b);
+}
 
 inline const char* i8_path() {
 #if defined(DISAGG_I8_AVX512)
@@ -127,7 +139,7 @@ struct Q16 {
   int64_t N = 0, K = 0;
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K: its int8 sub-block scales
+  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K: its int8 sub-block scales; Q4_K / Q5_K: u8
   int64_t first_group = 0;      // qs starts at this group (a Q5 group's copy unpacked to a byte a weight)
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
@@ -243,6 +255,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   const uint16_t* dg = w.d + g * w.d_blocks() * GROUP;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP : nullptr;
   const int8_t* sg = sub_scales(KD) ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
+  const uint8_t* kg = two_level(KD) ? reinterpret_cast<const uint8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i b5 = _mm512_set1_epi8(0x10);
   __m512 acc[R];
@@ -253,7 +266,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     __m512i wv[8];
     if constexpr (KD == Q8_0) {
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
-    } else if constexpr (KD == U8_MIN || KD == U8_Q6K) {
+    } else if constexpr (byte_quants(KD)) {  // an unpacked copy
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(qb + c * 64);
     } else {
       for (int c = 0; c < 4; ++c) {
@@ -266,11 +279,18 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       else if constexpr (has_high(KD))
         for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
     }
-    const uint16_t* db = dg + (b * BLOCK / scale_span(KD)) * GROUP;
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
+    const uint16_t* db = dg + d_entry(KD, b) * GROUP;
+    __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
     __m512 mv = _mm512_setzero_ps();
-    if constexpr (has_min(KD))
+    if constexpr (two_level(KD)) {  // (d * sc, -(dmin * mn)): exact in fp32 (11 + 6 bits)
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
+      const __m128i* k8 = reinterpret_cast<const __m128i*>(kg + b * 2 * GROUP);
+      dv = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8))));
+      mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                         _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8 + 1)))));
+    } else if constexpr (has_min(KD)) {
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    }
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();  // Q6_K: the halves' sub-block scales
     if constexpr (sub_scales(KD)) {
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
@@ -325,7 +345,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 constexpr int TILE_ROWS = 8;
 
 // One Q5 / Q6_K block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values (q - 16,
-// signed), Q5_1's as U8_MIN and Q6_K's as U8_Q6K (q, unsigned).
+// signed), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as U8_Q6K (q, unsigned).
 template <Kind KD>
 inline void unpack_block(const uint8_t* qb, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), b5 = _mm512_set1_epi8(0x10);
@@ -366,15 +386,25 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   const uint16_t* dg = w.d + g * w.d_blocks() * GROUP + h * 8;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP + h * 8 : nullptr;
   const int8_t* sg = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
+  const uint8_t* kg = two_level(KD) ? reinterpret_cast<const uint8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = qg + b * BB;
     if (h == 0) prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);  // the lines of both halves
-    const uint16_t* db = dg + (b * BLOCK / scale_span(KD)) * GROUP;
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
+    const uint16_t* db = dg + d_entry(KD, b) * GROUP;
+    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
     __m256 mv = _mm256_setzero_ps();
-    if constexpr (has_min(KD)) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
+    if constexpr (two_level(KD)) {  // (d * sc, -(dmin * mn)), as on AVX-512
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + GROUP)));
+      const uint8_t* k8 = kg + b * 2 * GROUP;
+      dv = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k8)))));
+      mv = _mm256_sub_ps(_mm256_setzero_ps(),
+                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k8 + GROUP))))));
+    } else if constexpr (has_min(KD)) {
+      mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
+    }
     __m256i w5[8];  // Q5: the block's 5-bit quants, unpacked once for all rows
     if constexpr (KD == Q6_K) {  // the crumbs of this half (see six_bits512)
       const __m256i top = _mm256_set1_epi8(0x30);
@@ -480,8 +510,15 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     const uint8_t* qb = w.group_qs(g) + b * BB;
     const int8_t* sc = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 2 * GROUP : nullptr;
     for (int64_t j = 0; j < GROUP; ++j) {
-      const float d = fp16_to_float(w.d[(g * w.d_blocks() + b * BLOCK / scale_span(KD)) * GROUP + j]);
-      const float mn = has_min(KD) ? fp16_to_float(w.m[(g * NB + b) * GROUP + j]) : 0.0f;
+      const int64_t di = (g * w.d_blocks() + d_entry(KD, b)) * GROUP + j;
+      float d = fp16_to_float(w.d[di]), mn = 0.0f;
+      if constexpr (two_level(KD)) {
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(w.m) + (g * NB + b) * 2 * GROUP;
+        mn = -(fp16_to_float(w.d[di + GROUP]) * static_cast<float>(k8[GROUP + j]));
+        d *= static_cast<float>(k8[j]);
+      } else if constexpr (has_min(KD)) {
+        mn = fp16_to_float(w.m[(g * NB + b) * GROUP + j]);
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xq = x.q + row * K + b * BLOCK;
@@ -532,7 +569,7 @@ constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack f
 template <Kind KD>
 inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
                                int64_t ldy, const float* bias, bool accumulate) {
-  constexpr Kind UK = KD == Q5_0 ? Q8_0 : (KD == Q5_1 ? U8_MIN : U8_Q6K);
+  constexpr Kind UK = KD == Q5_0 ? Q8_0 : (KD == Q5_1 ? U8_MIN : (KD == Q5_K ? U8_K5 : U8_Q6K));
   thread_local std::vector<uint8_t> buf;  // (the step's parallel region: grows once to the widest K, never throws
                                           // in practice: 16 KB per 1,000 columns)
   const int64_t NB = w.NB(), BB = Q16::block_bytes(KD), XB = Q16::block_bytes(UK);
@@ -582,7 +619,10 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q5_0: groups_kind<Q5_0>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_1: groups_kind<Q5_1>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q6_K: groups_kind<Q6_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q4_K: groups_kind<Q4_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q5_K: groups_kind<Q5_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case U8_MIN:
+    case U8_K5:
     case U8_Q6K: break;  // never stored (groups_unpacked's copies)
   }
 }
