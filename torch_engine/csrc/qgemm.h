@@ -260,6 +260,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   const __m512i b5 = _mm512_set1_epi8(0x10);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 dsup = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = qg + b * BB;
     prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);
@@ -279,15 +280,16 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       else if constexpr (has_high(KD))
         for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v)), wv[v], b5);
     }
-    const uint16_t* db = dg + d_entry(KD, b) * GROUP;
-    __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
-    __m512 mv = _mm512_setzero_ps();
-    if constexpr (two_level(KD)) {  // (d * sc, -(dmin * mn)): exact in fp32 (11 + 6 bits)
-      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
+    if (scale_span(KD) == BLOCK || b % 8 == 0) {  // a super-block's d (and dmin) once for its 8 blocks
+      const uint16_t* db = dg + d_entry(KD, b) * GROUP;
+      dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
+      if constexpr (two_level(KD)) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
+    }
+    __m512 dv = dsup, mv = _mm512_setzero_ps();
+    if constexpr (two_level(KD)) {  // d * sc and dmin * mn (subtracted below): exact in fp32 (11 + 6 bits)
       const __m128i* k8 = reinterpret_cast<const __m128i*>(kg + b * 2 * GROUP);
-      dv = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8))));
-      mv = _mm512_sub_ps(_mm512_setzero_ps(),
-                         _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8 + 1)))));
+      dv = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8))));
+      mv = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(k8 + 1))));
     } else if constexpr (has_min(KD)) {
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     }
@@ -324,7 +326,10 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       }
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
-      if constexpr (has_min(KD)) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      if constexpr (two_level(KD))  // - (dmin mn) dxs in one rounding: as fmadd with -(dmin mn), bit for bit
+        acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      else if constexpr (has_min(KD))
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
   }
   const int64_t n0 = g * GROUP;
