@@ -9,7 +9,7 @@ one of those, so the integer kernels read it packed instead of a dense bf16 copy
 - **Every other quantized format** gguf can dequantise (Q2_K, Q3_K, the IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
-- F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q5_1 | q5_0 | q4_1 | q4_0`` quantizes them).
+- F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q6_k | ... | q4_0`` quantizes them, ``builders.quantize``).
 
 The error of each conversion is measured against gguf's dequantisation of the source (the relative
 RMS over the tensors converted) and reported (``QuantReport``; the build logs it and writes it into
