@@ -103,7 +103,8 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
           uint8_t* blk = out + (g * NB + b) * BB;
           if (mout != nullptr) mout[(g * NB + b) * 16 + j] = msrc[n * NB + b];
           if (scout != nullptr)
-            for (int64_t half = 0; half < 2; ++half) scout[(g * NB + b) * 32 + half * 16 + j] = scsrc[n * NB * 2 + 2 * b + half];
+            for (int64_t half = 0; half < 2; ++half)
+              scout[(g * NB + b) * 32 + half * 16 + j] = scsrc[n * NB * 2 + 2 * b + half];
           if (kind == Q8_0) {
             for (int64_t c = 0; c < 8; ++c)
               for (int64_t i = 0; i < 4; ++i) {
@@ -172,7 +173,8 @@ QuantizedAct quantize(const torch::Tensor& x) {
   int32_t* s = a.s.data_ptr<int32_t>();
   float* dxs = a.dxs.data_ptr<float>();
   int32_t* slo = a.slo.data_ptr<int32_t>();
-  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo); });
+  at::parallel_for(0, R, 4,
+                   [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo); });
   return a;
 }
 

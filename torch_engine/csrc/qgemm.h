@@ -1,5 +1,5 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1, blocks of 32 along K) and
-// activations quantized to int8 per 32-block, as llama.cpp computes:
+// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1, blocks of 32
+// along K) and activations quantized to int8 per 32-block, as llama.cpp computes:
 // y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
 // (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
 //
@@ -23,8 +23,9 @@
 //   d * sc * (q - 32). Its integer sums are taken per half block and weighted by sc in int32 (exact).
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
-// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; and slo, the sum of the first 16, for Q6_K). The error of the product is that of the activations'
-// rounding (|x - dx * q| <= dx / 2 per element); the weight side is exact.
+// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; and slo, the sum of the first 16, for Q6_K). The
+// error of the product is that of the activations' rounding (|x - dx * q| <= dx / 2 per element); the weight side is
+// exact.
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
@@ -76,7 +77,7 @@ inline void prefetch_block(const uint8_t* p) {
 enum Kind : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
   U8_MIN = 1007, U8_K5 = 1013, U8_Q6K = 1014
-};  // clang-format: one line a family
+};
 inline bool known_kind(int64_t k) {
   return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q4_K || k == Q5_K || k == Q6_K;
 }
@@ -283,7 +284,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     if (scale_span(KD) == BLOCK || b % 8 == 0) {  // a super-block's d (and dmin) once for its 8 blocks
       const uint16_t* db = dg + d_entry(KD, b) * GROUP;
       dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
-      if constexpr (two_level(KD)) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
+      if constexpr (two_level(KD))
+        dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
     }
     __m512 dv = dsup, mv = _mm512_setzero_ps();
     if constexpr (two_level(KD)) {  // d * sc and dmin * mn (subtracted below): exact in fp32 (11 + 6 bits)
@@ -403,7 +405,8 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
     if constexpr (two_level(KD)) {  // (d * sc, -(dmin * mn)), as on AVX-512
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + GROUP)));
       const uint8_t* k8 = kg + b * 2 * GROUP;
-      dv = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k8)))));
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k8));
+      dv = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
       mv = _mm256_sub_ps(_mm256_setzero_ps(),
                          _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k8 + GROUP))))));
@@ -564,9 +567,10 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
                         const float* bias, bool accumulate);
 
 #if defined(DISAGG_I8_AVX512)
-// Q5 / Q6_K over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks of the
-// same values; Q5_1: U8_MIN; Q6_K: U8_Q6K, at 256 rows 0.77x of Q8_0's time without), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of
-// unpacking each block again per tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4).
+// Q5 / Q5_K / Q6_K over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0: the Q8_0 blocks
+// of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K: U8_Q6K), and every tile of rows run on that copy (in L1 / L2)
+// by that kind's kernel, instead of unpacking each block again per tile (at 256 rows that cost Q5_0 ~12 % against
+// Q8_0 on the AVX-512 Zen 4; Q6_K ran at 0.77x of Q8_0's time without the copy, 0.84-0.88x with).
 // Not on AVX2: its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned products there (the AVX2
 // build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
