@@ -27,7 +27,8 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
         choices=[*WEIGHTS, *QUANTIZE],
         default="as-stored",
         help="as-stored: a GGUF's Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 tensors stay quantized and "
-        "the engine computes with them, its other quantized tensors (Q3_K, Q2_K, IQ*) are converted to Q8_0 (the "
+        "the engine computes with them, its other quantized tensors are converted (Q3_K to Q6_K and IQ4_NL to Q8_0 "
+        "exactly, IQ4_XS to Q8_0 with fp16-rounded scales, Q2_K and the other IQ formats requantized to Q8_0; the "
         "error is logged and kept in engine.json); bf16 / fp32: every weight dequantised to that dtype (sets "
         "--dtype); q8_0 / q6_k / q5_k / q5_1 / q5_0 / q4_k / q4_1 / q4_0: as-stored, and the dense GEMM weights left "
         "(a Hugging Face checkpoint's, a GGUF's F16) quantized to that format at build time (embedding and lm_head "

@@ -6,7 +6,12 @@ and Q5_1 / Q8_0 there). The engine computes with Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q
 (``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format becomes
 one of those, so the integer kernels read it packed instead of a dense bf16 copy:
 
-- **Every other quantized format** gguf can dequantise (Q2_K, Q3_K, the IQ
+- **Q3_K -> Q6_K, exactly**: the same fp16 ``d`` and signed scale per 16 weights, the quants (-4..3) + 32
+  (6.5625 bits a weight for the file's 3.4375).
+- **IQ4_NL -> Q8_0, exactly**: the quants are the table values the 4-bit indices pick (int8), the scale the same
+  ``d``. **IQ4_XS -> Q8_0** likewise, each 32 weights' scale ``d * (scale - 32)`` rounded to fp16 (each weight
+  within 2^-11 of itself).
+- **Every other quantized format** gguf can dequantise (Q2_K, the other IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
 - F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q6_k | ... | q4_0`` quantizes them, ``builders.quantize``).
@@ -24,11 +29,11 @@ import re
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import IQ4_NL, dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.quantize import QuantReport, quantize_tensor
-from torch_engine.quant import Packed, QuantKind
+from torch_engine.quant import Packed, QuantKind, q6_k
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ def converts(qtype: GGMLQuantizationType) -> bool:
 
 def target(qtype: GGMLQuantizationType) -> QuantKind:
     """The engine format a converted ``qtype`` tensor becomes."""
-    return QuantKind.Q8_0
+    return QuantKind.Q6_K if qtype is _K.Q3_K else QuantKind.Q8_0
 
 
 def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], report: QuantReport) -> Packed:
@@ -51,9 +56,56 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     -> the engine's packed form, its error against gguf's dequantisation added to ``report``."""
     n, k = shape
     exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
-    packed = quantize_tensor(exact, target(qtype))
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
+    packed = None
+    if qtype is _K.Q3_K:
+        packed = _from_q3_k(blocks.reshape(n, k // 256, 110), n, k)
+    elif qtype in (_K.IQ4_NL, _K.IQ4_XS):
+        packed = _from_iq4(qtype, blocks, n, k)
+    if packed is None:
+        packed = quantize_tensor(exact, target(qtype))
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
     return packed
+
+
+def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    """Q3_K super-blocks ``[N, K / 256, 110]`` (hmask: 32 bytes, bit b of byte i element 32 b + i's 3rd bit, set
+    for the upper half of -4..3; qs: 64 bytes, byte 32 h + i holds elements 128 h + 32 s + i at bits 2 s; 12 bytes
+    of 6-bit scales, offset 32; d) -> Q6_K, exactly: the same ``d``, the same scales (int8), the same quants + 32."""
+    sb = blocks.shape[1]
+    hmask, qs, scales = blocks[:, :, 0:32], blocks[:, :, 32:96], blocks[:, :, 96:108]
+    low = (scales[:, :, 0:8].reshape(n, sb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (scales[:, :, 8:12].reshape(n, sb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    sc = (low.reshape(n, sb, 16) | (high.reshape(n, sb, 16) << 4)).astype(np.int8) - np.int8(32)
+    two = (qs.reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    third = (hmask.reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    q = two.reshape(n, sb, 8, 32) + (third << 2) + 28  # (two - 4 * (1 - third)) + 32
+    d = blocks[:, :, 108:110].copy().view(np.float16).reshape(n, sb)
+    return q6_k(d, sc.reshape(n, k // 16), q.reshape(n, k // 32, 32).astype(np.uint8))
+
+
+def _from_iq4(qtype: GGMLQuantizationType, blocks: np.ndarray, n: int, k: int) -> Packed | None:
+    """IQ4_NL (a block of 32: d, then 16 bytes of 4-bit indices into ``IQ4_NL.kvalues``, int8 values) -> Q8_0, the
+    quants the indexed values and the scale the same ``d``: exact. IQ4_XS (256 weights: d, a 6-bit scale per 32, the
+    same indices) -> Q8_0 with each block's scale ``d * (scale - 32)`` rounded to fp16 (within 2^-11 of it; the
+    report states the error). None where such a scale leaves fp16's range (then requantized)."""
+    values = np.array(IQ4_NL.kvalues, dtype=np.int8)
+    if qtype is _K.IQ4_NL:
+        b = blocks.reshape(n, k // 32, 18)
+        d, idx = b[:, :, 0:2].copy().view(np.float16).reshape(n, k // 32), b[:, :, 2:18]
+    else:
+        b = blocks.reshape(n, k // 256, 136)
+        d16 = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [n, sb, 1]
+        hi = (b[:, :, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [n, sb, 8]
+        lo = (b[:, :, 4:8].reshape(n, -1, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [n, sb, 4, 2]
+        scale = (lo.reshape(n, -1, 8) | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        dl = d16 * scale.astype(np.float32)
+        if not np.isfinite(dl.astype(np.float16)).all():
+            return None
+        d, idx = dl.astype(np.float16).reshape(n, k // 32), b[:, :, 8:136].reshape(n, k // 32, 16)
+    nib = (idx.reshape(n, k // 32, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    qs = values[nib.reshape(n, k)]
+    return Packed(QuantKind.Q8_0, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(np.ascontiguousarray(d)))
 
 
 # ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------

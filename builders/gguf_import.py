@@ -1,6 +1,6 @@
 """Import a llama-architecture GGUF file (e.g. the packaged SmolLM2 Q4_1): rename, un-permute, and either
 keep the quantized tensors as stored (``packed``: Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0,
-``torch_engine.quant``; other quantized formats converted to Q8_0, ``builders/gguf_convert.py``) or dequantise.
+``torch_engine.quant``; other quantized formats converted, ``builders/gguf_convert.py``) or dequantise.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that rotary pairs are
 interleaved; HF (and this engine) pair dimension i with i + head_dim/2, so the permutation
@@ -78,8 +78,8 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     """The checkpoint in ``path``; ``packed``: 2-D tensors in a block format the engine computes with
-    (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0) stay as stored, those in another quantized format are converted into one
-    (``builders/gguf_convert.py``: the K-quants, the IQ formats, ...; the error in ``Checkpoint.converted``);
+    (``QuantKind``) stay as stored, those in another quantized format are converted into one
+    (``builders/gguf_convert.py``: Q3_K, Q2_K, the IQ formats; the error in ``Checkpoint.converted``);
     otherwise every tensor is dequantised to fp32."""
     try:
         reader = GGUFReader(str(path))

@@ -1,7 +1,8 @@
 """A GGUF's K-quants kept as stored, other formats converted at build time (``builders/gguf_convert.py``).
 
 Reference: gguf's own dequantisation of the source blocks. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as stored
-(bit-equal); the rest (Q3_K, Q2_K, ...) are requantized to Q8_0, each weight within half its new block step. End to
+(bit-equal); Q3_K becomes Q6_K and IQ4_NL Q8_0 exactly (bit-equal), IQ4_XS Q8_0 within its scales' fp16 rounding;
+the rest (Q2_K, the other IQ formats) are requantized to Q8_0, each weight within half its new block step. End to
 end: the embedded SmolLM2 file rewritten with its FFN-down tensors in Q4_K, Q5_K and Q6_K (by layer, as llama.cpp's
 K-quant mixes hold them), its q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate,
 up in Q5_1 (a Q5_K_M's fallback) builds packed, and the engine on it decodes as on gguf's dequantisation of the same
@@ -25,7 +26,7 @@ from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
 from builders.gguf_convert import convert, converts, target
 from builders.gguf_import import load_gguf
-from builders.quantize import QuantReport, quantize_blocks
+from builders.quantize import QuantReport, quantize_blocks, quantize_tensor
 from tests.helpers import smollm2_prompts
 from torch_engine.config import DType, EngineConfig, EngineManifest, WeightStorage
 from torch_engine.engine import LLMEngine
@@ -36,15 +37,18 @@ T = GGMLQuantizationType
 
 
 def _random_k_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
-    """Random blocks of a K-quant (every bit pattern is a valid block) with small fp16 super-block scales."""
-    size = {T.Q2_K: 84, T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    """Random blocks of a K-quant or an IQ4 format (every bit pattern is a valid block) with small fp16 scales."""
+    weights, size = {T.Q2_K: (256, 84), T.Q3_K: (256, 110), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
+                     T.Q6_K: (256, 210), T.IQ4_NL: (32, 18), T.IQ4_XS: (256, 136)}[qtype]  # fmt: skip
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // 256, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 1e-2, size=(n * k // 256, 2)).astype(np.float16).view(np.uint8)
+    blocks = rng.integers(0, 256, size=(n * k // weights, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 1e-2, size=(n * k // weights, 2)).astype(np.float16).view(np.uint8)
     if qtype in (T.Q6_K, T.Q3_K):
         blocks[:, size - 2 : size] = scales[:, 0:2]  # d comes last
     elif qtype is T.Q2_K:
         blocks[:, size - 4 : size] = scales  # d, dmin last
+    elif qtype in (T.IQ4_NL, T.IQ4_XS):
+        blocks[:, 0:2] = scales[:, 0:2]  # d first
     else:
         blocks[:, 0:4] = scales  # d, dmin
     return blocks.reshape(n, -1)
@@ -64,7 +68,7 @@ def test_the_k_quant_encoders_write_what_gguf_reads_back(kind: QuantKind) -> Non
     assert np.abs(back - x).max() < 0.05 * 8 / levels  # within one step of a +-4 sigma range
 
 
-@pytest.mark.parametrize("qtype", [T.Q3_K, T.Q2_K])
+@pytest.mark.parametrize("qtype", [T.Q2_K])
 def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizationType) -> None:
     n, k = 16, 512
     raw = _random_k_blocks(qtype, n, k, seed=3)
@@ -77,6 +81,41 @@ def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizatio
     # half a step of the fp16 scale (itself within 2^-11 of the step), plus that rounding times up to 127 quants
     assert (err <= step * (0.5 * (1 + 2.0**-11) + 127 * 2.0**-11) + 1e-12).all()
     assert 0 < report.relative_rms(f"{qtype.name}->Q8_0") < 0.01
+
+
+@pytest.mark.parametrize(("qtype", "kind", "bits"), [(T.Q3_K, QuantKind.Q6_K, 6.5625), (T.IQ4_NL, QuantKind.Q8_0, 8.5)])
+def test_q3_k_and_iq4_nl_convert_exactly(qtype: GGMLQuantizationType, kind: QuantKind, bits: float) -> None:
+    """Q3_K's values (-4..3 times a signed 6-bit scale per 16 times the fp16 ``d``) are Q6_K values (the quants + 32,
+    the scales as int8, the same ``d``); IQ4_NL's (an int8 table value times the block's fp16 ``d``) Q8_0's. Any bit
+    pattern imports into that format, and dequantises bit-equal to gguf's dequantisation of the source."""
+    from types import SimpleNamespace
+
+    from builders.gguf_import import _tensor
+
+    n, k = 24, 768
+    raw = _random_k_blocks(qtype, n, k, seed=5)
+    assert converts(qtype) and target(qtype) is kind
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=qtype, shape=[k, n], data=raw)
+    report = QuantReport()
+    p = _tensor(Path("x.gguf"), t, True, report)
+    assert isinstance(p, Packed) and p.kind is kind and p.nbytes == n * k * bits / 8
+    assert torch.equal(p.dequantize(), _reference(raw, qtype, n, k))
+    assert report.relative_rms(f"{qtype.name}->{kind.name}") == 0
+
+
+def test_iq4_xs_becomes_q8_0_within_its_scales_fp16_rounding() -> None:
+    """IQ4_XS: each block's scale ``d * (scale - 32)`` (fp32) rounds to Q8_0's fp16 scale, the quants are the table
+    values; each weight within 2^-11 of itself, far closer than requantizing would come."""
+    n, k = 16, 512
+    raw = _random_k_blocks(T.IQ4_XS, n, k, seed=6)
+    assert converts(T.IQ4_XS) and target(T.IQ4_XS) is QuantKind.Q8_0
+    report = QuantReport()
+    p = convert(T.IQ4_XS, raw, (n, k), report)
+    want = _reference(raw, T.IQ4_XS, n, k)
+    assert p.kind is QuantKind.Q8_0 and ((p.dequantize() - want).abs() <= want.abs() * 2.0**-11).all()
+    requantized = QuantReport()
+    requantized.add("q8_0", want, quantize_tensor(want, QuantKind.Q8_0))
+    assert 0 < report.relative_rms("IQ4_XS->Q8_0") < requantized.relative_rms("q8_0") / 4
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
@@ -117,10 +156,50 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
             _tensor(tmp_path / "x.gguf", t, packed, QuantReport())
 
 
+def _q3_k_blocks(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` -> Q3_K super-blocks (round to nearest; a test's encoder, gguf's Python package writes none): each 16
+    weights' signed scale maps their extreme to -4, ``d`` the largest scale to -32."""
+    n, k = w.shape
+    sb = k // 256
+    x = w.astype(np.float32).reshape(n, sb, 16, 16)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=3)[..., None], axis=3)[..., 0] / -4.0  # [n, sb, 16]
+    big = np.take_along_axis(extreme, np.abs(extreme).argmax(axis=2)[..., None], axis=2)
+    d = (big / -32.0).astype(np.float16)
+    sc = np.rint(extreme / d.astype(np.float32)).clip(-32, 31)
+    step = (d.astype(np.float32) * sc)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step != 0, np.rint(x / step), 0).clip(-4, 3).astype(np.int8).reshape(n, sb, 8, 32)
+    hmask = ((q >= 0).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(2, dtype=np.uint8)
+    two = (q.view(np.uint8) & 3).reshape(n, sb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    six = (sc + 32).astype(np.uint8)  # [n, sb, 16]
+    scales = np.concatenate([(six[:, :, :8] & 15) | ((six[:, :, 8:] & 15) << 4),
+                             ((six >> 4).reshape(n, sb, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1))
+                             .sum(2, dtype=np.uint8)], axis=2)  # fmt: skip
+    out = [hmask, two.sum(3, dtype=np.uint8).reshape(n, sb, 64), scales, d.view(np.uint8)]
+    return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(n, sb * 110)
+
+
+def _iq4_nl_blocks(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` -> IQ4_NL blocks: each 32 weights' scale maps their extreme to -127, each weight to the nearest
+    table value."""
+    from gguf.quants import IQ4_NL
+
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(n, k // 32, 32)
+    d = (np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2) / -127.0).astype(np.float16)
+    values = np.array(IQ4_NL.kvalues, dtype=np.float32)
+    idx = np.abs(x[..., None] / d.astype(np.float32)[..., None] - values).argmin(axis=3).astype(np.uint8)
+    qs = idx[:, :, :16] | (idx[:, :, 16:] << 4)
+    return np.ascontiguousarray(np.concatenate([d.view(np.uint8), qs], axis=2)).reshape(n, k // 32 * 18)
+
+
+_DOWN = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL)  # FFN-down's format in layer l: _DOWN[l % 5]
+
+
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
-    """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K and Q6_K (layer % 3; llama.cpp's
-    encodings, by ``quantize_blocks``), its q, k, v (576 columns, not a multiple of 256) in Q5_0 and its gate, up in
-    Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
+    """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer,
+    ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks`` and the encoders above), its q, k, v (576 columns, not
+    a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
 
     def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
         ends = ("ffn_down.weight", "_q.weight", "_k.weight", "_v.weight", "ffn_gate.weight", "ffn_up.weight")
@@ -129,12 +208,25 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
         shape = [int(v) for v in reversed(t.shape)]  # [N, K]
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if t.name.endswith("ffn_down.weight"):
-            kind = (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K)[int(t.name.split(".")[1]) % 3]
-        else:
-            kind = QuantKind.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else QuantKind.Q5_0
+            qtype = _DOWN[int(t.name.split(".")[1]) % 5]
+            if qtype is T.Q3_K:
+                return _q3_k_blocks(dense), qtype
+            if qtype is T.IQ4_NL:
+                return _iq4_nl_blocks(dense), qtype
+            return quantize_blocks(dense, QuantKind(int(qtype))), qtype
+        kind = QuantKind.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else QuantKind.Q5_0
         return quantize_blocks(dense, kind), T(int(kind))
 
     rewrite(src, dst, convert)
+
+
+def test_the_test_encoders_write_what_gguf_reads_back() -> None:
+    """``_q3_k_blocks`` / ``_iq4_nl_blocks``: gguf dequantises them to within a step of the source."""
+    x = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32) * 0.05
+    for blocks, qtype, step in ((_q3_k_blocks(x), T.Q3_K, 0.05 * 8 / 7), (_iq4_nl_blocks(x), T.IQ4_NL, 0.05 * 8 / 10)):
+        back = _reference(blocks, qtype, 8, 512).numpy()
+        assert np.abs(back - x).max() < step, qtype
+        assert np.abs(back - x).mean() < step / 4, qtype
 
 
 def test_weights_fused_together_are_brought_to_one_format() -> None:
@@ -230,21 +322,23 @@ def test_fused_groups_with_k_quants() -> None:
 
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 tensors stay (nothing is converted); the engine's reference
+    """As stored, the Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 tensors stay, Q3_K becomes Q6_K and IQ4_NL Q8_0 (exactly); the
+    engine's reference
     path on that build gives the same next-token distributions as on the dense build of the same file (gguf's
     dequantisation: the packed weights dequantise bit-equal to it), and the fast path (integer kernels, the
     compiled step) runs on it."""
     src = tmp_path / "smollm2-kq.gguf"
     _rewrite_as_k_quants(smollm2_gguf(), src)
     ck = load_gguf(src)
-    for layer, kind in ((3, QuantKind.Q4_K), (4, QuantKind.Q5_K), (5, QuantKind.Q6_K)):
+    kinds = (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q6_K, QuantKind.Q8_0)  # of _DOWN's formats
+    for layer in range(5, 10):
         down = ck.tensors[f"model.layers.{layer}.mlp.down_proj.weight"]
-        assert isinstance(down, Packed) and down.kind is kind
+        assert isinstance(down, Packed) and down.kind is kinds[layer % 5]
     q = ck.tensors["model.layers.3.self_attn.q_proj.weight"]
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
     up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
     assert isinstance(up, Packed) and up.kind is QuantKind.Q5_1
-    assert ck.converted == {}
+    assert ck.converted == {"Q3_K->Q6_K": 0.0, "IQ4_NL->Q8_0": 0.0}  # exactly
 
     stored = build_engine(str(src), tmp_path / "as-stored", BuildOptions(dtype=DType.FLOAT32), progress=False)
     dense_opts = BuildOptions(dtype=DType.FLOAT32, weights=WeightStorage.DENSE)

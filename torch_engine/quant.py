@@ -230,18 +230,24 @@ def _from_q6_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     sb = blocks.shape[1]
     ql = blocks[:, :, :128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     qh = blocks[:, :, 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    low = (ql & 0x0F).reshape(n, k // BLOCK, BLOCK)
-    high = (qh & 0x03).reshape(n, k // BLOCK, BLOCK)
-    qs = low[:, :, :16] | (low[:, :, 16:] << 4)  # byte j: element j | element j + 16 << 4
-    h = (high.reshape(n, k // BLOCK, 8, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
+    q = (ql & 0x0F).reshape(n, k // BLOCK, BLOCK) | ((qh & 0x03).reshape(n, k // BLOCK, BLOCK) << 4)
     sc = blocks[:, :, 192:208].copy().view(np.int8).reshape(n, k // 16)
-    d = blocks[:, :, 208:210].copy().view(np.float16).reshape(n, sb)
+    return q6_k(blocks[:, :, 208:210].copy().view(np.float16).reshape(n, sb), sc, q)
+
+
+def q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
+    """A Q6_K weight out of its parts: ``d`` ``[N, K / 256]`` float16, the sub-block scales ``sc`` ``[N, K / 16]``
+    int8 and the quants ``q`` ``[N, K / 32, 32]`` uint8 in 0..63 (element order; each weight ``(d * sc) * (q -
+    32)``)."""
+    n, nb, _ = q.shape
+    qs = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)  # byte j: element j | element j + 16 << 4
+    h = ((q >> 4).reshape(n, nb, 8, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
     return Packed(
         QuantKind.Q6_K,
-        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2)),
-        torch.from_numpy(d),
+        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, nb * 16)),
+        torch.from_numpy(np.ascontiguousarray(d)),
         torch.from_numpy(np.ascontiguousarray(sc)),
-        torch.from_numpy(np.ascontiguousarray(h).reshape(n, k // 4)),
+        torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 8)),
     )
 
 
