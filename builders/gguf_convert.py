@@ -2,15 +2,14 @@
 
 Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
 sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_K / Q6_K,
-and Q5_1 / Q8_0 there). The engine computes with Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0 and Q4_1 as stored
+and Q5_1 / Q8_0 there). The engine computes with Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1 and IQ4_NL as stored
 (``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format becomes
 one of those, so the integer kernels read it packed instead of a dense bf16 copy:
 
 - **Q3_K -> Q6_K, exactly**: the same fp16 ``d`` and signed scale per 16 weights, the quants (-4..3) + 32
   (6.5625 bits a weight for the file's 3.4375).
-- **IQ4_NL -> Q8_0, exactly**: the quants are the table values the 4-bit indices pick (int8), the scale the same
-  ``d``. **IQ4_XS -> Q8_0** likewise, each 32 weights' scale ``d * (scale - 32)`` rounded to fp16 (each weight
-  within 2^-11 of itself).
+- **IQ4_XS -> IQ4_NL** (kept as stored): the same 4-bit indices into the same table, each 32 weights' scale ``d *
+  (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; 4.5 bits a weight for the file's 4.25).
 - **Every other quantized format** gguf can dequantise (Q2_K, the other IQ
   formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
   within half its block's new step (max |w| / 254), finer than every source format's own step.
@@ -29,11 +28,11 @@ import re
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import IQ4_NL, dequantize
+from gguf.quants import dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.quantize import QuantReport, quantize_tensor
-from torch_engine.quant import Packed, QuantKind, q6_k
+from torch_engine.quant import IQ4_NL_VALUES, Packed, QuantKind, q6_k
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def converts(qtype: GGMLQuantizationType) -> bool:
 
 def target(qtype: GGMLQuantizationType) -> QuantKind:
     """The engine format a converted ``qtype`` tensor becomes."""
-    return QuantKind.Q6_K if qtype is _K.Q3_K else QuantKind.Q8_0
+    return {_K.Q3_K: QuantKind.Q6_K, _K.IQ4_XS: QuantKind.IQ4_NL}.get(qtype, QuantKind.Q8_0)
 
 
 def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], report: QuantReport) -> Packed:
@@ -60,8 +59,8 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     packed = None
     if qtype is _K.Q3_K:
         packed = _from_q3_k(blocks.reshape(n, k // 256, 110), n, k)
-    elif qtype in (_K.IQ4_NL, _K.IQ4_XS):
-        packed = _from_iq4(qtype, blocks, n, k)
+    elif qtype is _K.IQ4_XS:
+        packed = _from_iq4_xs(blocks.reshape(n, k // 256, 136), n, k)
     if packed is None:
         packed = quantize_tensor(exact, target(qtype))
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
@@ -84,35 +83,28 @@ def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     return q6_k(d, sc.reshape(n, k // 16), q.reshape(n, k // 32, 32).astype(np.uint8))
 
 
-def _from_iq4(qtype: GGMLQuantizationType, blocks: np.ndarray, n: int, k: int) -> Packed | None:
-    """IQ4_NL (a block of 32: d, then 16 bytes of 4-bit indices into ``IQ4_NL.kvalues``, int8 values) -> Q8_0, the
-    quants the indexed values and the scale the same ``d``: exact. IQ4_XS (256 weights: d, a 6-bit scale per 32, the
-    same indices) -> Q8_0 with each block's scale ``d * (scale - 32)`` rounded to fp16 (within 2^-11 of it; the
-    report states the error). None where such a scale leaves fp16's range (then requantized)."""
-    values = np.array(IQ4_NL.kvalues, dtype=np.int8)
-    if qtype is _K.IQ4_NL:
-        b = blocks.reshape(n, k // 32, 18)
-        d, idx = b[:, :, 0:2].copy().view(np.float16).reshape(n, k // 32), b[:, :, 2:18]
-    else:
-        b = blocks.reshape(n, k // 256, 136)
-        d16 = b[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [n, sb, 1]
-        hi = (b[:, :, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [n, sb, 8]
-        lo = (b[:, :, 4:8].reshape(n, -1, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [n, sb, 4, 2]
-        scale = (lo.reshape(n, -1, 8) | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-        dl = d16 * scale.astype(np.float32)
-        if not np.isfinite(dl.astype(np.float16)).all():
-            return None
-        d, idx = dl.astype(np.float16).reshape(n, k // 32), b[:, :, 8:136].reshape(n, k // 32, 16)
-    nib = (idx.reshape(n, k // 32, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    qs = values[nib.reshape(n, k)]
-    return Packed(QuantKind.Q8_0, torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(np.ascontiguousarray(d)))
+def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed | None:
+    """IQ4_XS super-blocks ``[N, K / 256, 136]`` (d, 8 6-bit scales offset by 32: their low 4 bits in 4 bytes, their
+    top 2 in a 16-bit word; then the 4-bit indices, IQ4_NL's) -> IQ4_NL: the same indices, each block's scale ``d *
+    (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; the report states the error). None where such
+    a scale leaves fp16's range (then requantized)."""
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [n, sb, 1]
+    hi = (blocks[:, :, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [n, sb, 8]
+    lo = (blocks[:, :, 4:8].reshape(n, -1, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [n, sb, 4, 2]
+    scale = (lo.reshape(n, -1, 8) | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    with np.errstate(over="ignore"):
+        dl = (d * scale.astype(np.float32)).astype(np.float16).reshape(n, k // 32)
+    if not np.isfinite(dl).all():
+        return None
+    qs = np.ascontiguousarray(blocks[:, :, 8:136]).reshape(n, k // 2)
+    return Packed(QuantKind.IQ4_NL, torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(dl)))
 
 
 # ---- weights the engine fuses (q, k, v -> qkv; gate, up -> gate_up) must share one format ----------------
 # llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K; SmolLM2's:
 # attn_v in Q8_0 in some layers, q / k in Q5_0). Q4_K converts exactly into Q5_K (the 5th bits 0); otherwise nothing
 # converts exactly into or out of the K-quants' two-level scales, so a group mixing one with another format becomes
-# Q8_0, the finest.
+# Q8_0, the finest. IQ4_NL's table values convert exactly into Q8_0 only: a mix with it becomes Q8_0 too.
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
 # The formats each one converts into exactly (the same values; _as), and the order the formats are tried in: the
@@ -126,24 +118,26 @@ _EXACT = {
     QuantKind.Q4_K: {QuantKind.Q5_K},
     QuantKind.Q5_K: set(),
     QuantKind.Q6_K: set(),
+    QuantKind.IQ4_NL: {QuantKind.Q8_0},
 }
-_BITS = {QuantKind.Q4_0: 0, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3,
-         QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
-_K_QUANTS = {QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K}
+_BITS = {QuantKind.Q4_0: 0, QuantKind.IQ4_NL: 1, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1, QuantKind.Q5_0: 2,
+         QuantKind.Q5_1: 3, QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
+_TO_Q8_0 = {QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.IQ4_NL}  # in a mix with no exact common format
 
 
 def _common(kinds: set[QuantKind]) -> QuantKind:
     for kind in sorted(_BITS, key=_BITS.__getitem__):
         if all(k is kind or kind in _EXACT[k] for k in kinds):
             return kind
-    return QuantKind.Q8_0 if kinds & _K_QUANTS else max(kinds, key=_BITS.__getitem__)
+    return QuantKind.Q8_0 if kinds & _TO_Q8_0 else max(kinds, key=_BITS.__getitem__)
 
 
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
     """``ck`` with the members of each fused group in one format: all packed ones in the smallest format every
     one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0, Q4_K ->
-    Q5_K), else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any other mix with a K-quant ->
-    Q8_0; the error recorded in ``converted``); a group mixing dense and packed weights dequantised (no error)."""
+    Q5_K, IQ4_NL -> Q8_0), else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any other mix with
+    a K-quant or IQ4_NL -> Q8_0; the error recorded in ``converted``); a group mixing dense and packed weights
+    dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):
@@ -182,6 +176,8 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
     offset = {QuantKind.Q4_0: 8, QuantKind.Q5_0: 16}.get(w.kind)
     if offset is not None and kind is QuantKind.Q5_1 and bool((w.d.abs() < 60000 / offset).all()):
         return _q5(kind, w.d, w.quants(), -offset * w.d)  # d (q - o) = d q + (-o d): exact in fp16
+    if w.kind is QuantKind.IQ4_NL and kind is QuantKind.Q8_0:  # the table's values, the same scale: exact
+        return Packed(kind, IQ4_NL_VALUES[w.quants().long()].reshape(n, k), w.d)
     if w.kind in (QuantKind.Q4_0, QuantKind.Q5_0) and kind is QuantKind.Q8_0:  # the same scale: exact
         offset = 8 if w.kind is QuantKind.Q4_0 else 16
         return Packed(kind, (w.quants().to(torch.int16) - offset).to(torch.int8).reshape(n, k), w.d)

@@ -12,7 +12,7 @@ quantize, by ``quantize_q6_k`` / ``quantize_k4`` here (plain round-to-nearest, n
   one per 256; Q5_K / Q4_K: 5 / 4 bits with a 6-bit scale and minimum per 32 and fp16 ones per 256; the K-quants
   Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
   scale; Q5_1: 5 bits with a scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a
-  minimum);
+  minimum; IQ4_NL: 4-bit indices into a non-uniform table of 16 int8 values, with a scale);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
   keep the output in 6-8 bits: the logits are the most sensitive GEMM);
 - everything else (norms, biases, MLA and MoE weights, rows whose width is not a multiple of 32)
@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from builders.checkpoint import Checkpoint
-from torch_engine.quant import BLOCK, Packed, QuantKind, from_gguf_blocks
+from torch_engine.quant import BLOCK, IQ4_NL_VALUES, Packed, QuantKind, from_gguf_blocks
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,12 @@ def quantize_tensor(w: torch.Tensor, kind: QuantKind) -> Packed:
 
 def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
     """A dense ``[N, K]`` fp32 array -> its GGUF blocks in ``kind`` (``[N, K / block_weights * block_bytes]``
-    uint8): gguf's reference quantizer, ``quantize_q6_k`` for Q6_K."""
+    uint8): gguf's reference quantizer; ``quantize_q6_k``, ``quantize_k4``, ``quantize_iq4_nl`` for the formats it
+    cannot write."""
     if kind is QuantKind.Q6_K:
         return quantize_q6_k(w)
+    if kind is QuantKind.IQ4_NL:
+        return quantize_iq4_nl(w)
     if kind.two_level:
         return quantize_k4(w, kind)
     return np.asarray(quantize(w, GGMLQuantizationType(int(kind))))
@@ -124,6 +127,21 @@ def quantize_k4(w: np.ndarray, kind: QuantKind) -> np.ndarray:
         parts.append(((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8))
     blocks = np.concatenate([*parts, qs], axis=1)
     return blocks.reshape(n, k // 256 * kind.block_bytes)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` fp32 (K a multiple of 32) -> IQ4_NL blocks (fp16 ``d``, then 16 bytes of 4-bit indices into
+    ``IQ4_NL_VALUES``: byte j element j's in its low nibble, element j + 16's in its high one). Each block's ``d``
+    maps its extreme to -127; each weight takes the nearest table value (not llama.cpp's search over scales)."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    d = (np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2) / -127.0).astype(np.float16)
+    values = IQ4_NL_VALUES.numpy().astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(d != 0, x / d.astype(np.float32), 0)
+    idx = np.abs(scaled[..., None] - values).argmin(axis=3).astype(np.uint8)
+    qs = idx[:, :, :16] | (idx[:, :, 16:] << 4)
+    return np.ascontiguousarray(np.concatenate([d.view(np.uint8), qs], axis=2)).reshape(n, k // BLOCK * 18)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:

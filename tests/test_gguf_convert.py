@@ -1,10 +1,10 @@
 """A GGUF's K-quants kept as stored, other formats converted at build time (``builders/gguf_convert.py``).
 
 Reference: gguf's own dequantisation of the source blocks. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as stored
-(bit-equal); Q3_K becomes Q6_K and IQ4_NL Q8_0 exactly (bit-equal), IQ4_XS Q8_0 within its scales' fp16 rounding;
+(bit-equal), and IQ4_NL; Q3_K becomes Q6_K exactly (bit-equal), IQ4_XS IQ4_NL within its scales' fp16 rounding;
 the rest (Q2_K, the other IQ formats) are requantized to Q8_0, each weight within half its new block step. End to
-end: the embedded SmolLM2 file rewritten with its FFN-down tensors in Q4_K, Q5_K and Q6_K (by layer, as llama.cpp's
-K-quant mixes hold them), its q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate,
+end: the embedded SmolLM2 file rewritten with its FFN-down tensors in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer, as
+llama.cpp's mixes hold them), its q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate,
 up in Q5_1 (a Q5_K_M's fallback) builds packed, and the engine on it decodes as on gguf's dequantisation of the same
 file.
 """
@@ -83,50 +83,51 @@ def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizatio
     assert 0 < report.relative_rms(f"{qtype.name}->Q8_0") < 0.01
 
 
-@pytest.mark.parametrize(("qtype", "kind", "bits"), [(T.Q3_K, QuantKind.Q6_K, 6.5625), (T.IQ4_NL, QuantKind.Q8_0, 8.5)])
-def test_q3_k_and_iq4_nl_convert_exactly(qtype: GGMLQuantizationType, kind: QuantKind, bits: float) -> None:
+def test_q3_k_converts_exactly_into_q6_k() -> None:
     """Q3_K's values (-4..3 times a signed 6-bit scale per 16 times the fp16 ``d``) are Q6_K values (the quants + 32,
-    the scales as int8, the same ``d``); IQ4_NL's (an int8 table value times the block's fp16 ``d``) Q8_0's. Any bit
-    pattern imports into that format, and dequantises bit-equal to gguf's dequantisation of the source."""
+    the scales as int8, the same ``d``). Any bit pattern imports as Q6_K (6.5625 bits a weight) and dequantises
+    bit-equal to gguf's dequantisation of the source."""
     from types import SimpleNamespace
 
     from builders.gguf_import import _tensor
 
     n, k = 24, 768
-    raw = _random_k_blocks(qtype, n, k, seed=5)
-    assert converts(qtype) and target(qtype) is kind
-    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=qtype, shape=[k, n], data=raw)
+    raw = _random_k_blocks(T.Q3_K, n, k, seed=5)
+    assert converts(T.Q3_K) and target(T.Q3_K) is QuantKind.Q6_K
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.Q3_K, shape=[k, n], data=raw)
     report = QuantReport()
     p = _tensor(Path("x.gguf"), t, True, report)
-    assert isinstance(p, Packed) and p.kind is kind and p.nbytes == n * k * bits / 8
-    assert torch.equal(p.dequantize(), _reference(raw, qtype, n, k))
-    assert report.relative_rms(f"{qtype.name}->{kind.name}") == 0
+    assert isinstance(p, Packed) and p.kind is QuantKind.Q6_K and p.nbytes == n * k * 6.5625 / 8
+    assert torch.equal(p.dequantize(), _reference(raw, T.Q3_K, n, k))
+    assert report.relative_rms("Q3_K->Q6_K") == 0
 
 
-def test_iq4_xs_becomes_q8_0_within_its_scales_fp16_rounding() -> None:
-    """IQ4_XS: each block's scale ``d * (scale - 32)`` (fp32) rounds to Q8_0's fp16 scale, the quants are the table
-    values; each weight within 2^-11 of itself, far closer than requantizing would come."""
+def test_iq4_xs_becomes_iq4_nl_within_its_scales_fp16_rounding() -> None:
+    """IQ4_XS: the same indices into the same table; each block's scale ``d * (scale - 32)`` (fp32) rounds to IQ4_NL's
+    fp16 scale: each weight within 2^-11 of itself (4.5 bits a weight), far closer than requantizing it into Q8_0 (8.5
+    bits) would come."""
     n, k = 16, 512
     raw = _random_k_blocks(T.IQ4_XS, n, k, seed=6)
-    assert converts(T.IQ4_XS) and target(T.IQ4_XS) is QuantKind.Q8_0
+    assert converts(T.IQ4_XS) and target(T.IQ4_XS) is QuantKind.IQ4_NL
     report = QuantReport()
     p = convert(T.IQ4_XS, raw, (n, k), report)
     want = _reference(raw, T.IQ4_XS, n, k)
-    assert p.kind is QuantKind.Q8_0 and ((p.dequantize() - want).abs() <= want.abs() * 2.0**-11).all()
+    assert p.kind is QuantKind.IQ4_NL and p.nbytes == n * k * 4.5 / 8
+    assert ((p.dequantize() - want).abs() <= want.abs() * 2.0**-11).all()
     requantized = QuantReport()
     requantized.add("q8_0", want, quantize_tensor(want, QuantKind.Q8_0))
-    assert 0 < report.relative_rms("IQ4_XS->Q8_0") < requantized.relative_rms("q8_0") / 4
+    assert 0 < report.relative_rms("IQ4_XS->IQ4_NL") < requantized.relative_rms("q8_0") / 4
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
-    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0)
+    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL)
     assert not any(converts(t) for t in kept)
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625)])
-def test_the_k_quants_are_kept_as_stored(qtype: GGMLQuantizationType, bits: float) -> None:
-    """Any Q4_K / Q5_K / Q6_K bit pattern (random blocks: every quant, every 6-bit scale and minimum, Q6_K's int8
-    scales down to -128) imports as stored, at the file's bits a weight (Q4_K / Q5_K: their 6-bit scales and
+@pytest.mark.parametrize(("qtype", "bits"), [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625), (T.IQ4_NL, 4.5)])
+def test_the_k_quants_and_iq4_nl_are_kept_as_stored(qtype: GGMLQuantizationType, bits: float) -> None:
+    """Any Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every 6-bit scale and minimum, Q6_K's
+    int8 scales down to -128) imports as stored, at the file's bits a weight (Q4_K / Q5_K: their 6-bit scales and
     minimums a byte each, 0.125 bits a weight more), and dequantises bit-equal to gguf."""
     from types import SimpleNamespace
 
@@ -320,17 +321,49 @@ def test_fused_groups_with_k_quants() -> None:
     assert 0 < out.converted["Q6_K->Q8_0"] < 0.01 and 0 < out.converted["Q4_K->Q8_0"] < 0.01
 
 
+def test_fused_groups_with_iq4_nl() -> None:
+    """IQ4_NL converts exactly into Q8_0 only (its table's values, the same scale): beside Q8_0 or Q5_0 (llama.cpp's
+    IQ4_XS mixes keep attn_v finer in some layers) a group becomes Q8_0 with nothing lost; beside Q4_1 (no common exact
+    format) Q8_0 too, the finest, Q4_1's requantization recorded."""
+    from builders.checkpoint import Checkpoint
+    from builders.gguf_convert import same_format_for_fused
+    from builders.quantize import quantize_tensor
+    from torch_engine.config import Family, ModelConfig
+
+    rng = np.random.default_rng(7)
+
+    def w(kind: QuantKind) -> Packed:
+        return quantize_tensor(torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32)), kind)
+
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    tensors: dict[str, Weight] = {
+        a + "q_proj.weight": w(QuantKind.IQ4_NL), a + "k_proj.weight": w(QuantKind.Q5_0),
+        a + "v_proj.weight": w(QuantKind.Q8_0),
+        m + "gate_proj.weight": w(QuantKind.IQ4_NL), m + "up_proj.weight": w(QuantKind.Q4_1),
+    }  # fmt: skip
+    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=256, intermediate_size=32, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=256)  # fmt: skip
+    out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {}))
+    for name in tensors:
+        after = out.tensors[name]
+        assert isinstance(after, Packed) and after.kind is QuantKind.Q8_0, name
+    for name in (a + "q_proj.weight", a + "k_proj.weight", m + "gate_proj.weight"):
+        before = tensors[name]
+        assert isinstance(before, Packed) and torch.equal(out.tensors[name].dequantize(), before.dequantize())
+    assert out.converted["IQ4_NL->Q8_0"] == 0.0 and 0 < out.converted["Q4_1->Q8_0"] < 0.01
+
+
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 tensors stay, Q3_K becomes Q6_K and IQ4_NL Q8_0 (exactly); the
-    engine's reference
+    """As stored, the Q4_K, Q5_K, Q6_K, IQ4_NL, Q5_0 and Q5_1 tensors stay, Q3_K becomes Q6_K (exactly); the engine's
+    reference
     path on that build gives the same next-token distributions as on the dense build of the same file (gguf's
     dequantisation: the packed weights dequantise bit-equal to it), and the fast path (integer kernels, the
     compiled step) runs on it."""
     src = tmp_path / "smollm2-kq.gguf"
     _rewrite_as_k_quants(smollm2_gguf(), src)
     ck = load_gguf(src)
-    kinds = (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q6_K, QuantKind.Q8_0)  # of _DOWN's formats
+    kinds = (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q6_K, QuantKind.IQ4_NL)  # of _DOWN's formats
     for layer in range(5, 10):
         down = ck.tensors[f"model.layers.{layer}.mlp.down_proj.weight"]
         assert isinstance(down, Packed) and down.kind is kinds[layer % 5]
@@ -338,7 +371,7 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
     up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
     assert isinstance(up, Packed) and up.kind is QuantKind.Q5_1
-    assert ck.converted == {"Q3_K->Q6_K": 0.0, "IQ4_NL->Q8_0": 0.0}  # exactly
+    assert ck.converted == {"Q3_K->Q6_K": 0.0}  # exactly
 
     stored = build_engine(str(src), tmp_path / "as-stored", BuildOptions(dtype=DType.FLOAT32), progress=False)
     dense_opts = BuildOptions(dtype=DType.FLOAT32, weights=WeightStorage.DENSE)
@@ -358,5 +391,5 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
         assert max(diff) < 1e-4, diff  # the same fp32 weights
         assert top1_agreement(a, b) == 1.0
     fast = LLMEngine(EngineConfig(engine_dir=stored, num_pages=64, fast_cpu=True), load_tokenizer=False)
-    assert "q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
+    assert "iq4_nl+q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
     assert len(fast.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8

@@ -309,7 +309,9 @@ def test_the_same_values_in_two_formats_compute_the_same(
     assert same(a.gemm(kernels, x, bias, precise=True), b.gemm(kernels, x, bias, precise=True))
 
 
-@pytest.mark.parametrize("kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K])
+@pytest.mark.parametrize(
+    "kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K, QuantKind.IQ4_NL]
+)
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their
     remainders; past 16 rows on AVX-512, each group unpacked to a byte a weight first) and all compute the same

@@ -1,9 +1,9 @@
 """Quantized weights kept as a GGUF ships them: the engine's packed form, its reference dequantisation,
 and the row / column cuts the builder's TP sharding needs.
 
-A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's
-``Q8_0``, ``Q6_K``, ``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0`` and ``Q4_1`` are, but stored as separate arrays
-(one sequential stream each for the kernels, and plain tensors for safetensors):
+A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's ``Q8_0``, ``Q6_K``,
+``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0``, ``Q4_1`` and ``IQ4_NL`` are, but stored as separate arrays (one
+sequential stream each for the kernels, and plain tensors for safetensors):
 
 - ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (the others' low 4 bits: byte j of a block
   holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order);
@@ -15,9 +15,10 @@ A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as
   e's 5th, GGUF's little-endian ``qh``; and Q5_K), ``[N, K / 4]`` for Q6_K (a block's 8 bytes, bits 2e and 2e + 1
   element e's 5th and 6th).
 
-Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, Q4_1 and
-Q5_1 ``d * q + m``, Q4_K and Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as
-``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
+Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, IQ4_NL
+``d * IQ4_NL_VALUES[q]`` (a non-uniform int8 table; Q4_0's layout otherwise), Q4_1 and Q5_1 ``d * q + m``, Q4_K and
+Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize``
+here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
 and scales with 16 output rows interleaved, the layout of the integer kernels
@@ -37,6 +38,10 @@ import numpy as np
 import torch
 
 BLOCK = 32
+# IQ4_NL's 16 values (llama.cpp's ``kvalues_iq4nl``): a weight is its block's d times the one its 4-bit index picks
+IQ4_NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
 PACKED_KEY = "disagg.packed"  # a rank file's safetensors metadata: {weight name: QuantKind name}
 
 
@@ -51,6 +56,7 @@ class QuantKind(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
 
     @property
     def block_weights(self) -> int:
@@ -72,7 +78,7 @@ class QuantKind(enum.IntEnum):
         """Bytes of one GGUF block of ``block_weights`` (scale, [minimum,] [high bits,] quants)."""
         return {
             QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34,
-            QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210,
+            QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210, QuantKind.IQ4_NL: 18,
         }[self]  # fmt: skip
 
     @property
@@ -166,6 +172,8 @@ class Packed:
             w = self.qs.reshape(n, nb, BLOCK).float() * d
         elif self.m is not None:  # Q4_1, Q5_1
             w = d * self.quants().float() + self.m.float().reshape(n, nb, 1)
+        elif self.kind is QuantKind.IQ4_NL:
+            w = d * IQ4_NL_VALUES.to(self.d.device)[self.quants().long()].float()
         else:
             w = d * (self.quants().float() - (16 if self.kind is QuantKind.Q5_0 else 8))
         return w.reshape(n, k).to(dtype)

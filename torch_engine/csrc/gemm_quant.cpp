@@ -234,7 +234,7 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
     } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32),
-              // Q4_K / Q5_K (d sc) q - dmin mn
+              // Q4_K / Q5_K (d sc) q - dmin mn, IQ4_NL d value[q]
       const bool with_min = disagg_q::has_min(w.kind);
       float scale = d, mn = 0.0f;
       if (disagg_q::two_level(w.kind)) {
@@ -249,6 +249,7 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K only
       auto value = [&](int q, int64_t e) {
         if (w.kind == Q6_K) return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
+        if (w.kind == disagg_q::IQ4_NL) return d * static_cast<float>(disagg_q::IQ4_NL_VALUES[q]);
         return with_min ? scale * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
       };
       for (int64_t c = 0; c < 4; ++c)

@@ -1,0 +1,79 @@
+"""IQ4_NL kept as stored (IQ4_XS brought to it) and Q3_K as Q6_K vs what the builder made of them before (Q8_0,
+requantized by gguf's quantizer), on llama.cpp's own IQ4_XS and Q3_K_S of SmolLM2.
+
+SmolLM2's IQ4_XS file holds 180 IQ4_NL tensors (the 576-column ones, llama.cpp's fallback), 27 IQ4_XS and 3 Q5_K
+(FFN-down); its Q3_K_S file 30 Q3_K (FFN-down) and 180 Q4_0. Two engines per file in one process: one built from the
+file, one from a copy whose IQ4 / Q3_K tensors were rewritten as the Q8_0 the old builder made of them. Each point
+alternates the two, 5 pairs (``bench.ab.alternate``): medians, and the median of the pairs' ratios.
+
+Needs llama.cpp's binding (``make bench-peers``) to write the files.
+Run from the repository root: ``.venv/bin/python benchmarks/iq4-2026-12-04/run.py OUT.json [--files IQ4_XS Q3_K_S]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize, quantize
+
+from bench.ab import compare
+from bench.gguf_rewrite import llama_quantize, rewrite
+from builders import BuildOptions, build_engine
+from builders.embedded import smollm2_gguf
+from torch_engine.config import DType, EngineManifest
+from torch_engine.cpu import cpu_info
+
+ROOT = Path("/tmp/iq4")
+T = GGMLQuantizationType
+CHANGED = (T.IQ4_NL, T.IQ4_XS, T.Q3_K)  # the formats this change builds differently
+
+
+def as_before(src: Path, dst: Path) -> int:
+    """``src`` with every IQ4_NL / IQ4_XS / Q3_K tensor as the Q8_0 the old builder made of it."""
+
+    def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
+        if t.tensor_type not in CHANGED:
+            return None
+        dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(int(t.shape[1]), -1)
+        return np.asarray(quantize(dense, T.Q8_0)), T.Q8_0
+
+    return rewrite(src, dst, convert)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--files", nargs="+", default=["IQ4_XS", "Q3_K_S"])
+    p.add_argument("out", type=Path)
+    a = p.parse_args()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result: dict[str, object] = {"cpu": cpu_info().as_dict(), "when": when}
+    for ftype in a.files:
+        src = ROOT / f"smollm2-{ftype.lower()}.gguf"
+        if not src.exists():
+            llama_quantize(smollm2_gguf(), src, ftype)
+        old = ROOT / f"smollm2-{ftype.lower()}-before.gguf"
+        n = as_before(src, old)
+        dirs = {}
+        for name, path in (("kept", src), ("before", old)):
+            opts = BuildOptions(dtype=DType.FLOAT32)
+            dirs[name] = build_engine(str(path), ROOT / f"engine-{ftype.lower()}-{name}", opts, progress=False)
+        info = {
+            "tensors_rewritten": n, "file_bytes": src.stat().st_size,
+            "engine_bytes": {s: (d / "rank0.safetensors").stat().st_size for s, d in dirs.items()},
+            "conversion_error": {s: EngineManifest.load(d).conversion_error for s, d in dirs.items()},
+        }  # fmt: skip
+        print(ftype, info, flush=True)
+        result[ftype] = info | compare(("kept", dirs["kept"]), ("before", dirs["before"]), a.threads, a.batches)
+    a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
