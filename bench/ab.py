@@ -8,9 +8,12 @@ taking the median of the pairs' ratios. Points: decode steps at each batch (``de
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -65,3 +68,53 @@ def compare(new: tuple[str, Path], old: tuple[str, Path], threads: list[int], ba
         print(f"threads {n}: {out['kernel_path']}", flush=True)
         out |= {f"{n}t {key}": point for key, point in alternate(engines[0], engines[1], batches).items()}
     return out
+
+
+def compare_files(
+    root: Path, ftype: str, as_before: Callable[[Path, Path], int], threads: list[int], batches: list[int]
+) -> dict[str, object]:
+    """llama.cpp's ``ftype`` mix of the embedded SmolLM2 (``root / smollm2-<ftype>.gguf``, written by its quantizer
+    if absent: ``make bench-peers``) against ``as_before``'s copy of it (the tensors an older builder made something
+    else of, rewritten as it did; it returns how many), both built under ``root`` (fp32, as stored) and
+    ``compare``d: ``tensors_rewritten``, ``file_bytes``, each side's ``engine_bytes`` and ``conversion_error``, then
+    the points. Sides: ``kept`` (the file) and ``before`` (the copy)."""
+    from bench.gguf_rewrite import llama_quantize
+    from builders import BuildOptions, build_engine
+    from builders.embedded import smollm2_gguf
+    from torch_engine.config import DType, EngineManifest
+
+    src, old = root / f"smollm2-{ftype.lower()}.gguf", root / f"smollm2-{ftype.lower()}-before.gguf"
+    if not src.exists():
+        llama_quantize(smollm2_gguf(), src, ftype)
+    n = as_before(src, old)
+    opts = BuildOptions(dtype=DType.FLOAT32)
+    dirs = {
+        side: build_engine(str(path), root / f"engine-{ftype.lower()}-{side}", opts, progress=False)
+        for side, path in (("kept", src), ("before", old))
+    }
+    info: dict[str, object] = {
+        "tensors_rewritten": n,
+        "file_bytes": src.stat().st_size,
+        "engine_bytes": {s: (d / "rank0.safetensors").stat().st_size for s, d in dirs.items()},
+        "conversion_error": {s: EngineManifest.load(d).conversion_error for s, d in dirs.items()},
+    }
+    print(ftype, info, flush=True)
+    return info | compare(("kept", dirs["kept"]), ("before", dirs["before"]), threads, batches)
+
+
+def gemm_args(rows: list[int]) -> tuple[argparse.Namespace, ModuleType]:
+    """A GEMM benchmark's command line (``--threads``, ``--rows``, ``--march``: the kernels that instruction-set level
+    builds, run on this CPU) and those kernels, the thread count set."""
+    import torch_engine.kernels as tk
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", type=int, nargs="+", default=rows)
+    p.add_argument("--march", default=None)
+    a = p.parse_args()
+    if a.march:
+        tk.use_march(a.march)
+    kernels = tk.cpu_kernels()
+    assert kernels is not None, "the kernels cannot be built here"
+    torch.set_num_threads(a.threads)
+    return a, kernels

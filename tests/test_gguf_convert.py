@@ -11,6 +11,7 @@ file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from gguf.quants import dequantize
 from bench.gguf_rewrite import rewrite
 from bench.quality import prompt_logprobs, top1_agreement
 from builders import BuildOptions, build_engine
+from builders.checkpoint import Checkpoint
 from builders.embedded import smollm2_gguf
 from builders.gguf_convert import convert, converts, target
 from builders.gguf_import import load_gguf
@@ -230,20 +232,30 @@ def test_the_test_encoders_write_what_gguf_reads_back() -> None:
         assert np.abs(back - x).mean() < step / 4, qtype
 
 
+def _weights(seed: int, k: int) -> Callable[[QuantKind], Packed]:
+    """A maker of random ``[32, k]`` weights quantized to a given format."""
+    from builders.quantize import quantize_tensor
+
+    rng = np.random.default_rng(seed)
+    return lambda kind: quantize_tensor(torch.from_numpy(rng.standard_normal((32, k)).astype(np.float32)), kind)
+
+
+def _fused(tensors: dict[str, Weight], converted: dict[str, float] | None = None) -> Checkpoint:
+    """``same_format_for_fused`` over a checkpoint of ``tensors`` (and the import's ``converted`` errors)."""
+    from builders.gguf_convert import same_format_for_fused
+    from torch_engine.config import Family, ModelConfig
+
+    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=64, intermediate_size=32, num_layers=4,
+                      num_heads=1, num_kv_heads=1, head_dim=64)  # fmt: skip
+    return same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", converted or {}))
+
+
 def test_weights_fused_together_are_brought_to_one_format() -> None:
     """q, k, v (and gate, up) are stacked into one GEMM, so they must share a format: the smallest one every member
     converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0), else the finest
     among them (Q4_1 / Q5_1 -> Q8_0 requantized with its error recorded); a group mixing dense and packed weights
     is dequantised; groups already in one format are left alone."""
-    from builders.checkpoint import Checkpoint
-    from builders.gguf_convert import same_format_for_fused
-    from builders.quantize import quantize_tensor
-    from torch_engine.config import Family, ModelConfig
-
-    rng = np.random.default_rng(5)
-
-    def w(kind: QuantKind) -> Packed:
-        return quantize_tensor(torch.from_numpy(rng.standard_normal((32, 64)).astype(np.float32)), kind)
+    w = _weights(seed=5, k=64)
 
     a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
     b, c = "model.layers.1.self_attn.", "model.layers.1.mlp."
@@ -263,9 +275,7 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
         g + "v_proj.weight": w(QuantKind.Q4_0),
         h + "gate_proj.weight": w(QuantKind.Q5_1), h + "up_proj.weight": w(QuantKind.Q8_0),
     }  # fmt: skip
-    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=64, intermediate_size=32, num_layers=4,
-                      num_heads=1, num_kv_heads=1, head_dim=64)  # fmt: skip
-    out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {"Q3_K->Q8_0": 1e-4}))
+    out = _fused(tensors, {"Q3_K->Q8_0": 1e-4})
     kinds = {n: (v.kind if isinstance(v, Packed) else None) for n, v in out.tensors.items()}
     assert kinds[a + "q_proj.weight"] is kinds[a + "v_proj.weight"] is kinds[a + "k_proj.weight"] is QuantKind.Q4_1
     assert kinds[m + "gate_proj.weight"] is kinds[m + "up_proj.weight"] is QuantKind.Q8_0
@@ -291,15 +301,7 @@ def test_fused_groups_with_k_quants() -> None:
     """The K-quants' two-level scales have no exact counterpart but Q4_K -> Q5_K (the 5th bits 0): Q4_K_M's attn_v
     in Q6_K beside q / k in Q4_K becomes Q8_0, each member requantized with its error recorded; Q4_K beside Q5_K
     becomes Q5_K exactly; a group all in Q6_K stays."""
-    from builders.checkpoint import Checkpoint
-    from builders.gguf_convert import same_format_for_fused
-    from builders.quantize import quantize_tensor
-    from torch_engine.config import Family, ModelConfig
-
-    rng = np.random.default_rng(6)
-
-    def w(kind: QuantKind) -> Packed:
-        return quantize_tensor(torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32)), kind)
+    w = _weights(seed=6, k=256)
 
     a, m, b = "model.layers.0.self_attn.", "model.layers.0.mlp.", "model.layers.1.mlp."
     tensors: dict[str, Weight] = {
@@ -308,9 +310,7 @@ def test_fused_groups_with_k_quants() -> None:
         m + "gate_proj.weight": w(QuantKind.Q6_K), m + "up_proj.weight": w(QuantKind.Q6_K),
         b + "gate_proj.weight": w(QuantKind.Q4_K), b + "up_proj.weight": w(QuantKind.Q5_K),
     }  # fmt: skip
-    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=256, intermediate_size=32, num_layers=2,
-                      num_heads=1, num_kv_heads=1, head_dim=256)  # fmt: skip
-    out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {}))
+    out = _fused(tensors)
     kinds = {n: (v.kind if isinstance(v, Packed) else None) for n, v in out.tensors.items()}
     assert {kinds[a + p] for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight")} == {QuantKind.Q8_0}
     assert out.tensors[m + "gate_proj.weight"] is tensors[m + "gate_proj.weight"]
@@ -325,15 +325,7 @@ def test_fused_groups_with_iq4_nl() -> None:
     """IQ4_NL converts exactly into Q8_0 only (its table's values, the same scale): beside Q8_0 or Q5_0 (llama.cpp's
     IQ4_XS mixes keep attn_v finer in some layers) a group becomes Q8_0 with nothing lost; beside Q4_1 (no common exact
     format) Q8_0 too, the finest, Q4_1's requantization recorded."""
-    from builders.checkpoint import Checkpoint
-    from builders.gguf_convert import same_format_for_fused
-    from builders.quantize import quantize_tensor
-    from torch_engine.config import Family, ModelConfig
-
-    rng = np.random.default_rng(7)
-
-    def w(kind: QuantKind) -> Packed:
-        return quantize_tensor(torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32)), kind)
+    w = _weights(seed=7, k=256)
 
     a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
     tensors: dict[str, Weight] = {
@@ -341,9 +333,7 @@ def test_fused_groups_with_iq4_nl() -> None:
         a + "v_proj.weight": w(QuantKind.Q8_0),
         m + "gate_proj.weight": w(QuantKind.IQ4_NL), m + "up_proj.weight": w(QuantKind.Q4_1),
     }  # fmt: skip
-    cfg = ModelConfig(family=Family.LLAMA, vocab_size=8, hidden_size=256, intermediate_size=32, num_layers=1,
-                      num_heads=1, num_kv_heads=1, head_dim=256)  # fmt: skip
-    out = same_format_for_fused(Checkpoint(cfg, dict(tensors), lambda _: False, "t", {}))
+    out = _fused(tensors)
     for name in tensors:
         after = out.tensors[name]
         assert isinstance(after, Packed) and after.kind is QuantKind.Q8_0, name

@@ -10,14 +10,13 @@ Run from the repository root: ``.venv/bin/python benchmarks/iq4-2026-12-04/gemm.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 import torch
 
-import torch_engine.kernels as tk
+from bench.ab import gemm_args
 from builders.gguf_convert import _as
 from builders.quantize import quantize_tensor
 from torch_engine.quant import Grouped, QuantKind, group
@@ -26,16 +25,7 @@ SETS = {"smollm2-gate": ((1536, 576), 30), "7b-down": ((4096, 11008), 2)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--march", default=None)
-    a = p.parse_args()
-    if a.march:
-        tk.use_march(a.march)
-    kernels = tk.cpu_kernels()
-    assert kernels is not None, "the kernels cannot be built here"
-    torch.set_num_threads(a.threads)
+    a, kernels = gemm_args(rows=[1, 8, 64, 256])
     rng = np.random.default_rng(0)
     for name, ((n, k), count) in SETS.items():
         sides: dict[str, list[Grouped]] = {"iq4_nl": [], "q8_0": [], "q4_0": []}

@@ -10,7 +10,6 @@ CPU).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import torch_engine.kernels as tk
+from bench.ab import gemm_args
 from builders.quantize import quantize_tensor
 from torch_engine.quant import Grouped, group
 
@@ -30,16 +29,7 @@ SETS = {"smollm2-down": ((576, 1536), 30), "7b-down": ((4096, 11008), 2)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--march", default=None)
-    a = p.parse_args()
-    if a.march:
-        tk.use_march(a.march)
-    kernels = tk.cpu_kernels()
-    assert kernels is not None, "the kernels cannot be built here"
-    torch.set_num_threads(a.threads)
+    a, kernels = gemm_args(rows=[1, 8, 64, 256])
     rng = np.random.default_rng(0)
     for name, ((n, k), count) in SETS.items():
         dense = [torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05) for _ in range(count)]

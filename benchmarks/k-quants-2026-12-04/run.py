@@ -24,11 +24,8 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
 import torch_engine.kernels as tk
-from bench.ab import compare
-from bench.gguf_rewrite import llama_quantize, rewrite
-from builders import BuildOptions, build_engine
-from builders.embedded import smollm2_gguf
-from torch_engine.config import DType, EngineManifest
+from bench.ab import compare_files
+from bench.gguf_rewrite import rewrite
 from torch_engine.cpu import cpu_info
 from torch_engine.quant import QuantKind, from_gguf_blocks
 
@@ -63,22 +60,7 @@ def main() -> None:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result: dict[str, object] = {"cpu": cpu_info().as_dict(), "march": a.march or "native", "when": when}
     for ftype in a.files:
-        src = ROOT / f"smollm2-{ftype.lower()}.gguf"
-        if not src.exists():
-            llama_quantize(smollm2_gguf(), src, ftype)
-        old = ROOT / f"smollm2-{ftype.lower()}-before.gguf"
-        n = as_before(src, old)
-        dirs = {}
-        for name, path in (("kept", src), ("before", old)):
-            opts = BuildOptions(dtype=DType.FLOAT32)
-            dirs[name] = build_engine(str(path), ROOT / f"engine-{ftype.lower()}-{name}", opts, progress=False)
-        info = {
-            "k_quant_tensors": n, "file_bytes": src.stat().st_size,
-            "engine_bytes": {s: (d / "rank0.safetensors").stat().st_size for s, d in dirs.items()},
-            "conversion_error": {s: EngineManifest.load(d).conversion_error for s, d in dirs.items()},
-        }  # fmt: skip
-        print(ftype, info, flush=True)
-        result[ftype] = info | compare(("kept", dirs["kept"]), ("before", dirs["before"]), a.threads, a.batches)
+        result[ftype] = compare_files(ROOT, ftype, as_before, a.threads, a.batches)
     a.out.write_text(json.dumps(result, indent=1))
 
 

@@ -8,7 +8,6 @@ Run from the repository root: ``.venv/bin/python benchmarks/q5_1-2026-12-03/gemm
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -17,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-import torch_engine.kernels as tk
+from bench.ab import gemm_args
 from torch_engine.quant import Grouped, QuantKind, from_gguf_blocks, group
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -25,16 +24,7 @@ KINDS = [QuantKind.Q5_1, QuantKind.Q5_0, QuantKind.Q4_1, QuantKind.Q8_0]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--march", default=None)
-    a = p.parse_args()
-    if a.march:
-        tk.use_march(a.march)
-    kernels = tk.cpu_kernels()
-    assert kernels is not None, "the kernels cannot be built here"
-    torch.set_num_threads(a.threads)
+    a, kernels = gemm_args(rows=[1, 8, 64, 256])
     rng = np.random.default_rng(0)
     weights: dict[QuantKind, list[Grouped]] = {q: [] for q in KINDS}
     for _ in range(30):
