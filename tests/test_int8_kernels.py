@@ -20,7 +20,7 @@ import torch
 from builders.quantize import quantize_blocks
 from tests.shims import compile_levels
 from torch_engine.kernels import cpu_kernels
-from torch_engine.quant import QuantKind, from_gguf_blocks, group
+from torch_engine.quant import Packed, QuantKind, from_gguf_blocks, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
 KINDS = list(QuantKind)
@@ -101,6 +101,28 @@ def test_every_path_computes_the_product_of_the_quantized_activations(
     first = outs["x86-64"]
     for lvl, y in outs.items():
         assert np.allclose(y, first, rtol=1e-5, atol=1e-5), lvl
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_every_path_takes_q8_0_quants_of_the_full_int8_range(paths: dict[str, ctypes.CDLL], rows: int) -> None:
+    """Q8_0 quants from -128 to 127 (gguf never writes -128, but a file may hold it): each path's product within the
+    bound (AVX2's sign trick takes |w| as an unsigned byte, so -128 needs no clamp)."""
+    n, k = 48, 128
+    rng = np.random.default_rng(rows)
+    qs = torch.from_numpy(rng.integers(-128, 128, size=(n, k), dtype=np.int8))
+    qs[:, 0] = -128
+    d = torch.from_numpy(rng.uniform(1e-3, 1e-2, size=(n, k // 32)).astype(np.float16))
+    p = Packed(QuantKind.Q8_0, qs, d)
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = group(p, kernels)
+    parts = [g.qs.numpy(), g.d.view(torch.int16).numpy(), g.m.view(torch.int16).numpy()]
+    w = p.dequantize().double().numpy()
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    for lvl, so in paths.items():
+        y, (q, dx, _) = _run(so, QuantKind.Q8_0, parts, n, x, None, None)
+        xq = q.astype(np.float64) * dx.astype(np.float64).repeat(32, axis=1)
+        assert np.all(np.abs(y - xq @ w.T) <= 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6), lvl
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20)])

@@ -108,11 +108,7 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
           if (kind == Q8_0) {
             for (int64_t c = 0; c < 8; ++c)
               for (int64_t i = 0; i < 4; ++i) {
-                int8_t v = static_cast<int8_t>(src[b * BLOCK + 4 * c + i]);
-#if defined(DISAGG_I8_AVX2)
-                v = std::max<int8_t>(v, -127);  // the sign trick cannot negate -128 (gguf never writes it)
-#endif
-                blk[c * 64 + j * 4 + i] = static_cast<uint8_t>(v);
+                blk[c * 64 + j * 4 + i] = src[b * BLOCK + 4 * c + i];  // (-128 too: AVX2 takes |w| as u8)
               }
           } else {
             auto nib = [&](int64_t e) -> uint8_t {  // element e of the block (GGUF order)

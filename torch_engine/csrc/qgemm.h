@@ -31,7 +31,7 @@
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
 //                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (past 16
-//                rows each group of Q5 / Q6_K unpacked once to a byte a weight: groups_unpacked);
+//                rows each group of Q5 / Q6_K / IQ4_NL unpacked once to a byte a weight: groups_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 and IQ4_NL by the sign trick (|w| x sign(x, w));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
