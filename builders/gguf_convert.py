@@ -56,12 +56,11 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     n, k = shape
     exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
-    packed = None
     if qtype is _K.Q3_K:
         packed = _from_q3_k(blocks.reshape(n, k // 256, 110), n, k)
     elif qtype is _K.IQ4_XS:
         packed = _from_iq4_xs(blocks.reshape(n, k // 256, 136), n, k)
-    if packed is None:
+    else:
         packed = quantize_tensor(exact, target(qtype))
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
     return packed
@@ -83,11 +82,12 @@ def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
     return q6_k(d, sc.reshape(n, k // 16), q.reshape(n, k // 32, 32).astype(np.uint8))
 
 
-def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed | None:
+def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed:
     """IQ4_XS super-blocks ``[N, K / 256, 136]`` (d, 8 6-bit scales offset by 32: their low 4 bits in 4 bytes, their
     top 2 in a 16-bit word; then the 4-bit indices, IQ4_NL's) -> IQ4_NL: the same indices, each block's scale ``d *
-    (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; the report states the error). None where such
-    a scale leaves fp16's range (then requantized)."""
+    (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; the report states the error). A ValueError
+    where such a scale leaves fp16's range (no fp16-scaled block format holds those weights; never seen in a real
+    file)."""
     d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [n, sb, 1]
     hi = (blocks[:, :, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [n, sb, 8]
     lo = (blocks[:, :, 4:8].reshape(n, -1, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [n, sb, 4, 2]
@@ -95,7 +95,9 @@ def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed | None:
     with np.errstate(over="ignore"):
         dl = (d * scale.astype(np.float32)).astype(np.float16).reshape(n, k // 32)
     if not np.isfinite(dl).all():
-        return None
+        raise ValueError(
+            "an IQ4_XS block's scale d * (scale - 32) exceeds fp16's range (65504): build with --weights fp32"
+        )
     qs = np.ascontiguousarray(blocks[:, :, 8:136]).reshape(n, k // 2)
     return Packed(QuantKind.IQ4_NL, torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(dl)))
 

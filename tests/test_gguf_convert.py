@@ -121,6 +121,23 @@ def test_iq4_xs_becomes_iq4_nl_within_its_scales_fp16_rounding() -> None:
     assert 0 < report.relative_rms("IQ4_XS->IQ4_NL") < requantized.relative_rms("q8_0") / 4
 
 
+def test_an_iq4_xs_scale_fp16_cannot_hold_is_a_build_error_naming_the_tensor() -> None:
+    """``d * (scale - 32)`` past fp16's range (a large ``d``: not seen in real files) fits no fp16-scaled block format
+    (IQ4_NL's scale would be inf, Q8_0's too): the import fails naming the tensor, the cause and ``--weights fp32``."""
+    from types import SimpleNamespace
+
+    from builders.errors import BuildError
+    from builders.gguf_import import _tensor
+
+    n, k = 4, 256
+    raw = _random_k_blocks(T.IQ4_XS, n, k, seed=8).reshape(n, 1, 136).copy()
+    raw[:, :, 0:2] = np.full((n, 1, 1), 30000, dtype=np.float16).view(np.uint8)  # d 30000: d * 31 > 65504
+    raw[:, :, 2:8] = 0xFF  # every 6-bit scale 63: 31 after the offset
+    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.IQ4_XS, shape=[k, n], data=raw.reshape(n, 136))
+    with pytest.raises(BuildError, match=r"blk\.0\.ffn_down\.weight.*fp16's range.*--weights fp32"):
+        _tensor(Path("x.gguf"), t, True, QuantReport())
+
+
 def test_dense_and_kept_formats_are_not_converted() -> None:
     kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL)
     assert not any(converts(t) for t in kept)
