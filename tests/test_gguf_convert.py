@@ -199,26 +199,12 @@ def _q3_k_blocks(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(n, sb * 110)
 
 
-def _iq4_nl_blocks(w: np.ndarray) -> np.ndarray:
-    """``[N, K]`` -> IQ4_NL blocks: each 32 weights' scale maps their extreme to -127, each weight to the nearest
-    table value."""
-    from gguf.quants import IQ4_NL
-
-    n, k = w.shape
-    x = w.astype(np.float32).reshape(n, k // 32, 32)
-    d = (np.take_along_axis(x, np.abs(x).argmax(axis=2)[..., None], axis=2) / -127.0).astype(np.float16)
-    values = np.array(IQ4_NL.kvalues, dtype=np.float32)
-    idx = np.abs(x[..., None] / d.astype(np.float32)[..., None] - values).argmin(axis=3).astype(np.uint8)
-    qs = idx[:, :, :16] | (idx[:, :, 16:] << 4)
-    return np.ascontiguousarray(np.concatenate([d.view(np.uint8), qs], axis=2)).reshape(n, k // 32 * 18)
-
-
 _DOWN = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL)  # FFN-down's format in layer l: _DOWN[l % 5]
 
 
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
     """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer,
-    ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks`` and the encoders above), its q, k, v (576 columns, not
+    ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks`` and ``_q3_k_blocks``), its q, k, v (576 columns, not
     a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
 
     def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
@@ -231,8 +217,6 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
             qtype = _DOWN[int(t.name.split(".")[1]) % 5]
             if qtype is T.Q3_K:
                 return _q3_k_blocks(dense), qtype
-            if qtype is T.IQ4_NL:
-                return _iq4_nl_blocks(dense), qtype
             return quantize_blocks(dense, QuantKind(int(qtype))), qtype
         kind = QuantKind.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else QuantKind.Q5_0
         return quantize_blocks(dense, kind), T(int(kind))
@@ -240,10 +224,12 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
     rewrite(src, dst, convert)
 
 
-def test_the_test_encoders_write_what_gguf_reads_back() -> None:
-    """``_q3_k_blocks`` / ``_iq4_nl_blocks``: gguf dequantises them to within a step of the source."""
+def test_the_q3_k_and_iq4_nl_encoders_write_what_gguf_reads_back() -> None:
+    """``_q3_k_blocks`` (the test's) and ``quantize_iq4_nl`` (``--weights iq4_nl``): gguf dequantises them to within
+    a step of the source."""
     x = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32) * 0.05
-    for blocks, qtype, step in ((_q3_k_blocks(x), T.Q3_K, 0.05 * 8 / 7), (_iq4_nl_blocks(x), T.IQ4_NL, 0.05 * 8 / 10)):
+    iq4 = quantize_blocks(x, QuantKind.IQ4_NL)
+    for blocks, qtype, step in ((_q3_k_blocks(x), T.Q3_K, 0.05 * 8 / 7), (iq4, T.IQ4_NL, 0.05 * 8 / 10)):
         back = _reference(blocks, qtype, 8, 512).numpy()
         assert np.abs(back - x).max() < step, qtype
         assert np.abs(back - x).mean() < step / 4, qtype
