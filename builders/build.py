@@ -33,8 +33,8 @@ from builders.sharding import check_tp, shard
 from torch_engine.config import MANIFEST_NAME, DType, EngineManifest, KVLayout, Role, WeightStorage
 from torch_engine.quant import PACKED_KEY, Packed, QuantKind, Weight
 
-BUILDER_VERSION = 7  # 2: a GGUF's K-quants converted, not dequantised; 3-6: Q5_0, Q5_1, Q6_K, Q4_K / Q5_K kept;
-# 7: Q3_K -> Q6_K, IQ4_NL / IQ4_XS -> Q8_0 directly
+BUILDER_VERSION = 8  # 2: a GGUF's K-quants converted, not dequantised; 3-6: Q5_0, Q5_1, Q6_K, Q4_K / Q5_K kept;
+# 7: Q3_K -> Q6_K, IQ4_NL kept, IQ4_XS -> IQ4_NL; 8: Q3_K kept
 
 __all__ = ["BuildError", "BuildOptions", "build_engine", "default_engine_dir", "load_checkpoint"]
 

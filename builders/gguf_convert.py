@@ -2,12 +2,10 @@
 
 Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
 sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_K / Q6_K,
-and Q5_1 / Q8_0 there). The engine computes with Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1 and IQ4_NL as stored
-(``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format becomes
-one of those, so the integer kernels read it packed instead of a dense bf16 copy:
+and Q5_1 / Q8_0 there). The engine computes with Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1 and IQ4_NL
+as stored (``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format
+becomes one of those, so the integer kernels read it packed instead of a dense bf16 copy:
 
-- **Q3_K -> Q6_K, exactly**: the same fp16 ``d`` and signed scale per 16 weights, the quants (-4..3) + 32
-  (6.5625 bits a weight for the file's 3.4375).
 - **IQ4_XS -> IQ4_NL** (kept as stored): the same 4-bit indices into the same table, each 32 weights' scale ``d *
   (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; 4.5 bits a weight for the file's 4.25).
 - **Every other quantized format** gguf can dequantise (Q2_K, the other IQ
@@ -47,7 +45,7 @@ def converts(qtype: GGMLQuantizationType) -> bool:
 
 def target(qtype: GGMLQuantizationType) -> QuantKind:
     """The engine format a converted ``qtype`` tensor becomes."""
-    return {_K.Q3_K: QuantKind.Q6_K, _K.IQ4_XS: QuantKind.IQ4_NL}.get(qtype, QuantKind.Q8_0)
+    return QuantKind.IQ4_NL if qtype is _K.IQ4_XS else QuantKind.Q8_0
 
 
 def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int], report: QuantReport) -> Packed:
@@ -56,30 +54,12 @@ def convert(qtype: GGMLQuantizationType, raw: np.ndarray, shape: tuple[int, int]
     n, k = shape
     exact = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
-    if qtype is _K.Q3_K:
-        packed = _from_q3_k(blocks.reshape(n, k // 256, 110), n, k)
-    elif qtype is _K.IQ4_XS:
+    if qtype is _K.IQ4_XS:
         packed = _from_iq4_xs(blocks.reshape(n, k // 256, 136), n, k)
     else:
         packed = quantize_tensor(exact, target(qtype))
     report.add(f"{qtype.name}->{packed.kind.name}", exact, packed)
     return packed
-
-
-def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
-    """Q3_K super-blocks ``[N, K / 256, 110]`` (hmask: 32 bytes, bit b of byte i element 32 b + i's 3rd bit, set
-    for the upper half of -4..3; qs: 64 bytes, byte 32 h + i holds elements 128 h + 32 s + i at bits 2 s; 12 bytes
-    of 6-bit scales, offset 32; d) -> Q6_K, exactly: the same ``d``, the same scales (int8), the same quants + 32."""
-    sb = blocks.shape[1]
-    hmask, qs, scales = blocks[:, :, 0:32], blocks[:, :, 32:96], blocks[:, :, 96:108]
-    low = (scales[:, :, 0:8].reshape(n, sb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (scales[:, :, 8:12].reshape(n, sb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    sc = (low.reshape(n, sb, 16) | (high.reshape(n, sb, 16) << 4)).astype(np.int8) - np.int8(32)
-    two = (qs.reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-    third = (hmask.reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    q = two.reshape(n, sb, 8, 32) + (third << 2) + 28  # (two - 4 * (1 - third)) + 32
-    d = blocks[:, :, 108:110].copy().view(np.float16).reshape(n, sb)
-    return q6_k(d, sc.reshape(n, k // 16), q.reshape(n, k // 32, 32).astype(np.uint8))
 
 
 def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed:
@@ -106,7 +86,8 @@ def _from_iq4_xs(blocks: np.ndarray, n: int, k: int) -> Packed:
 # llama.cpp's mixes store them differently (Q4_K_M: attn_v in Q6_K in some layers, q / k in Q4_K; SmolLM2's:
 # attn_v in Q8_0 in some layers, q / k in Q5_0). Q4_K converts exactly into Q5_K (the 5th bits 0); otherwise nothing
 # converts exactly into or out of the K-quants' two-level scales, so a group mixing one with another format becomes
-# Q8_0, the finest. IQ4_NL's table values convert exactly into Q8_0 only: a mix with it becomes Q8_0 too.
+# Q8_0, the finest. Q3_K converts exactly into Q6_K only (the quants + 28, the same scales), IQ4_NL's table values
+# into Q8_0 only: a mix with them becomes Q6_K or Q8_0 too.
 
 _FUSED = (re.compile(r"(.*\.self_attn\.)([qkv])_proj\.weight"), re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight"))
 # The formats each one converts into exactly (the same values; _as), and the order the formats are tried in: the
@@ -121,10 +102,12 @@ _EXACT = {
     QuantKind.Q5_K: set(),
     QuantKind.Q6_K: set(),
     QuantKind.IQ4_NL: {QuantKind.Q8_0},
+    QuantKind.Q3_K: {QuantKind.Q6_K},
 }
-_BITS = {QuantKind.Q4_0: 0, QuantKind.IQ4_NL: 1, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1, QuantKind.Q5_0: 2,
-         QuantKind.Q5_1: 3, QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
-_TO_Q8_0 = {QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.IQ4_NL}  # in a mix with no exact common format
+_BITS = {QuantKind.Q3_K: -1, QuantKind.Q4_0: 0, QuantKind.IQ4_NL: 1, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1,
+         QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
+# in a mix with no exact common format
+_TO_Q8_0 = {QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.IQ4_NL}
 
 
 def _common(kinds: set[QuantKind]) -> QuantKind:
@@ -137,9 +120,9 @@ def _common(kinds: set[QuantKind]) -> QuantKind:
 def same_format_for_fused(ck: Checkpoint) -> Checkpoint:
     """``ck`` with the members of each fused group in one format: all packed ones in the smallest format every
     one of them converts into exactly (Q4_0 -> Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_1 -> Q5_1, Q5_0 -> Q5_1 / Q8_0, Q4_K ->
-    Q5_K, IQ4_NL -> Q8_0), else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any other mix with
-    a K-quant or IQ4_NL -> Q8_0; the error recorded in ``converted``); a group mixing dense and packed weights
-    dequantised (no error)."""
+    Q5_K, IQ4_NL -> Q8_0, Q3_K -> Q6_K), else the finest among them, the others requantized (Q4_1 / Q5_1 -> Q8_0; any
+    other mix with a K-quant or IQ4_NL -> Q8_0; the error recorded in ``converted``); a group mixing dense and packed
+    weights dequantised (no error)."""
     groups: dict[tuple[str, int], list[str]] = {}
     for name in ck.tensors:
         for i, pattern in enumerate(_FUSED):
@@ -178,6 +161,10 @@ def _as(w: Packed, kind: QuantKind) -> Packed:
     offset = {QuantKind.Q4_0: 8, QuantKind.Q5_0: 16}.get(w.kind)
     if offset is not None and kind is QuantKind.Q5_1 and bool((w.d.abs() < 60000 / offset).all()):
         return _q5(kind, w.d, w.quants(), -offset * w.d)  # d (q - o) = d q + (-o d): exact in fp16
+    if w.kind is QuantKind.Q3_K and kind is QuantKind.Q6_K:  # (q - 4) = (q + 28) - 32, the same scales: exact
+        assert w.m is not None
+        q = (w.quants() + 28).numpy()
+        return q6_k(w.d.numpy(), w.m.numpy(), q)
     if w.kind is QuantKind.IQ4_NL and kind is QuantKind.Q8_0:  # the table's values, the same scale: exact
         return Packed(kind, IQ4_NL_VALUES[w.quants().long()].reshape(n, k), w.d)
     if w.kind in (QuantKind.Q4_0, QuantKind.Q5_0) and kind is QuantKind.Q8_0:  # the same scale: exact

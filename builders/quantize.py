@@ -1,18 +1,20 @@
 """Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q6_k | q5_k | q5_1 |
-q5_0 | q4_k | q4_1 | q4_0``).
+q5_0 | q4_k | q4_1 | q4_0 | iq4_nl | q3_k``).
 
 A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
 are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
 kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantizer — the file a
-``llama-quantize`` run would write for those tensors — or, for the K-quants, which gguf's Python package cannot
-quantize, by ``quantize_q6_k`` / ``quantize_k4`` here (plain round-to-nearest, not llama.cpp's error search):
+``llama-quantize`` run would write for those tensors — or, for the K-quants and IQ4_NL, which gguf's Python package
+cannot quantize, by ``quantize_q6_k`` / ``quantize_k4`` / ``quantize_q3_k`` / ``quantize_iq4_nl`` here (plain
+round-to-nearest, not llama.cpp's error search):
 
 - the decoder layers' attention projections (q, k, v, o) and dense MLP (gate, up, down): the chosen
   format (Q8_0: int8 per block of 32 with an fp16 scale; Q6_K: 6 bits with an int8 scale per 16 and an fp16
   one per 256; Q5_K / Q4_K: 5 / 4 bits with a 6-bit scale and minimum per 32 and fp16 ones per 256; the K-quants
   Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
   scale; Q5_1: 5 bits with a scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a
-  minimum; IQ4_NL: 4-bit indices into a non-uniform table of 16 int8 values, with a scale);
+  minimum; IQ4_NL: 4-bit indices into a non-uniform table of 16 int8 values, with a scale; Q3_K: 3 bits with a
+  signed 6-bit scale per 16 and an fp16 one per 256);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
   keep the output in 6-8 bits: the logits are the most sensitive GEMM);
 - everything else (norms, biases, MLA and MoE weights, rows whose width is not a multiple of 32)
@@ -86,10 +88,12 @@ def quantize_tensor(w: torch.Tensor, kind: QuantKind) -> Packed:
 
 def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
     """A dense ``[N, K]`` fp32 array -> its GGUF blocks in ``kind`` (``[N, K / block_weights * block_bytes]``
-    uint8): gguf's reference quantizer; ``quantize_q6_k``, ``quantize_k4``, ``quantize_iq4_nl`` for the formats it
-    cannot write."""
+    uint8): gguf's reference quantizer; ``quantize_q6_k``, ``quantize_k4``, ``quantize_q3_k``, ``quantize_iq4_nl`` for
+    the formats it cannot write."""
     if kind is QuantKind.Q6_K:
         return quantize_q6_k(w)
+    if kind is QuantKind.Q3_K:
+        return quantize_q3_k(w)
     if kind is QuantKind.IQ4_NL:
         return quantize_iq4_nl(w)
     if kind.two_level:
@@ -163,14 +167,47 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
         sc = np.where(d != 0, np.rint(scale / d.astype(np.float32)), 0).clip(-128, 127).astype(np.int8)
         step = d.astype(np.float32) * sc.astype(np.float32)  # [n, sb, 16]
         signed = np.where(step[..., None] != 0, np.rint(x / step[..., None]), 0).clip(-32, 31).astype(np.int16)
-    q = (signed + 32).astype(np.uint8).reshape(n, sb, 2, 128)  # element 128 h + e
+    return q6_k_blocks(d.reshape(n, sb), sc.reshape(n, sb * 16), (signed + 32).astype(np.uint8).reshape(n, k))
+
+
+def q6_k_blocks(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q6_K's parts (``d`` ``[N, K / 256]`` float16, the scales ``sc`` ``[N, K / 16]`` int8, the quants ``q`` ``[N, K]``
+    uint8 in 0..63, element order) -> its super-blocks, GGUF's byte layout ``[N, K / 256 * 210]``."""
+    n, sb = d.shape
+    q = q.reshape(n, sb, 2, 128)  # element 128 h + e
     ql = (q[:, :, :, :64] & 0x0F) | ((q[:, :, :, 64:] & 0x0F) << 4)  # byte 64 h + i: elements i, 64 + i
     top = (q >> 4).reshape(n, sb, 2, 4, 32)  # element 128 h + 32 s + i -> byte 32 h + i, bits 2 s
     qh = (top << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)).sum(axis=3, dtype=np.uint8)
-    out = np.concatenate(
-        [ql.reshape(n, sb, 128), qh.reshape(n, sb, 64), sc.view(np.uint8), d.reshape(n, sb, 1).view(np.uint8)], axis=2
-    )
-    return np.ascontiguousarray(out).reshape(n, sb * 210)
+    parts = [ql.reshape(n, sb, 128), qh.reshape(n, sb, 64), sc.reshape(n, sb, 16).view(np.uint8),
+             d.reshape(n, sb, 1).view(np.uint8)]  # fmt: skip
+    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(n, sb * 210)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` fp32 (K a multiple of 256) -> Q3_K super-blocks, GGUF's byte layout (see
+    ``torch_engine.quant._from_q3_k``). Each 16 weights' signed scale maps their extreme to -4; the super-block's
+    fp16 ``d`` maps the largest scale to -32 and each scale rounds to 6 bits of it (-32..31); the quants round to
+    nearest under the final ``d * sc`` (-4..3)."""
+    n, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q3_K needs a multiple of 256 columns, got {k}")
+    sb = k // 256
+    x = w.astype(np.float32).reshape(n, sb, 16, 16)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=3)[..., None], axis=3)[..., 0] / -4.0  # [n, sb, 16]
+    big = np.take_along_axis(extreme, np.abs(extreme).argmax(axis=2)[..., None], axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = (big / -32.0).astype(np.float16)
+        sc = np.where(d != 0, np.rint(extreme / d.astype(np.float32)), 0).clip(-32, 31)
+        step = (d.astype(np.float32) * sc)[..., None]
+        q = np.where(step != 0, np.rint(x / step), 0).clip(-4, 3).astype(np.int8).reshape(n, sb, 8, 32)
+    hmask = ((q >= 0).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(2, dtype=np.uint8)
+    two = (q.view(np.uint8) & 3).reshape(n, sb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    six = (sc + 32).astype(np.uint8)  # [n, sb, 16]
+    scales = np.concatenate([(six[:, :, :8] & 15) | ((six[:, :, 8:] & 15) << 4),
+                             ((six >> 4).reshape(n, sb, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1))
+                             .sum(2, dtype=np.uint8)], axis=2)  # fmt: skip
+    out = [hmask, two.sum(3, dtype=np.uint8).reshape(n, sb, 64), scales, d.view(np.uint8)]
+    return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(n, sb * 110)
 
 
 def _target(name: str, ck: Checkpoint, kind: QuantKind) -> QuantKind | None:

@@ -1,7 +1,7 @@
 """A GGUF's K-quants kept as stored, other formats converted at build time (``builders/gguf_convert.py``).
 
-Reference: gguf's own dequantisation of the source blocks. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as stored
-(bit-equal), and IQ4_NL; Q3_K becomes Q6_K exactly (bit-equal), IQ4_XS IQ4_NL within its scales' fp16 rounding;
+Reference: gguf's own dequantisation of the source blocks. Q3_K, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as stored
+(bit-equal), and IQ4_NL; IQ4_XS becomes IQ4_NL within its scales' fp16 rounding;
 the rest (Q2_K, the other IQ formats) are requantized to Q8_0, each weight within half its new block step. End to
 end: the embedded SmolLM2 file rewritten with its FFN-down tensors in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer, as
 llama.cpp's mixes hold them), its q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate,
@@ -87,21 +87,17 @@ def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizatio
 
 def test_q3_k_converts_exactly_into_q6_k() -> None:
     """Q3_K's values (-4..3 times a signed 6-bit scale per 16 times the fp16 ``d``) are Q6_K values (the quants + 32,
-    the scales as int8, the same ``d``). Any bit pattern imports as Q6_K (6.5625 bits a weight) and dequantises
-    bit-equal to gguf's dequantisation of the source."""
-    from types import SimpleNamespace
-
-    from builders.gguf_import import _tensor
+    the scales as int8, the same ``d``): the form a fused group mixing Q3_K with Q6_K takes (as every Q3_K tensor was
+    built before Q3_K was kept), bit-equal to gguf's dequantisation of the source, for any bit pattern."""
+    from builders.gguf_convert import _as
+    from torch_engine.quant import from_gguf_blocks
 
     n, k = 24, 768
     raw = _random_k_blocks(T.Q3_K, n, k, seed=5)
-    assert converts(T.Q3_K) and target(T.Q3_K) is QuantKind.Q6_K
-    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.Q3_K, shape=[k, n], data=raw)
-    report = QuantReport()
-    p = _tensor(Path("x.gguf"), t, True, report)
-    assert isinstance(p, Packed) and p.kind is QuantKind.Q6_K and p.nbytes == n * k * 6.5625 / 8
+    assert not converts(T.Q3_K)
+    p = _as(from_gguf_blocks(QuantKind.Q3_K, raw, (n, k)), QuantKind.Q6_K)
+    assert p.kind is QuantKind.Q6_K and p.nbytes == n * k * 6.5625 / 8
     assert torch.equal(p.dequantize(), _reference(raw, T.Q3_K, n, k))
-    assert report.relative_rms("Q3_K->Q6_K") == 0
 
 
 def test_iq4_xs_becomes_iq4_nl_within_its_scales_fp16_rounding() -> None:
@@ -139,15 +135,17 @@ def test_an_iq4_xs_scale_fp16_cannot_hold_is_a_build_error_naming_the_tensor() -
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
-    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL)
+    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL, T.Q3_K)
     assert not any(converts(t) for t in kept)
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625), (T.IQ4_NL, 4.5)])
+@pytest.mark.parametrize(
+    ("qtype", "bits"), [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625), (T.IQ4_NL, 4.5), (T.Q3_K, 3.5625)]
+)
 def test_the_k_quants_and_iq4_nl_are_kept_as_stored(qtype: GGMLQuantizationType, bits: float) -> None:
-    """Any Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every 6-bit scale and minimum, Q6_K's
-    int8 scales down to -128) imports as stored, at the file's bits a weight (Q4_K / Q5_K: their 6-bit scales and
-    minimums a byte each, 0.125 bits a weight more), and dequantises bit-equal to gguf."""
+    """Any Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every 6-bit scale and minimum,
+    Q6_K's int8 scales down to -128) imports as stored, at the file's bits a weight (Q3_K / Q4_K / Q5_K: their 6-bit
+    scales and minimums a byte each, 0.125 bits a weight more), and dequantises bit-equal to gguf."""
     from types import SimpleNamespace
 
     from builders.gguf_import import _tensor
@@ -176,35 +174,12 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
             _tensor(tmp_path / "x.gguf", t, packed, QuantReport())
 
 
-def _q3_k_blocks(w: np.ndarray) -> np.ndarray:
-    """``[N, K]`` -> Q3_K super-blocks (round to nearest; a test's encoder, gguf's Python package writes none): each 16
-    weights' signed scale maps their extreme to -4, ``d`` the largest scale to -32."""
-    n, k = w.shape
-    sb = k // 256
-    x = w.astype(np.float32).reshape(n, sb, 16, 16)
-    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=3)[..., None], axis=3)[..., 0] / -4.0  # [n, sb, 16]
-    big = np.take_along_axis(extreme, np.abs(extreme).argmax(axis=2)[..., None], axis=2)
-    d = (big / -32.0).astype(np.float16)
-    sc = np.rint(extreme / d.astype(np.float32)).clip(-32, 31)
-    step = (d.astype(np.float32) * sc)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step != 0, np.rint(x / step), 0).clip(-4, 3).astype(np.int8).reshape(n, sb, 8, 32)
-    hmask = ((q >= 0).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(2, dtype=np.uint8)
-    two = (q.view(np.uint8) & 3).reshape(n, sb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
-    six = (sc + 32).astype(np.uint8)  # [n, sb, 16]
-    scales = np.concatenate([(six[:, :, :8] & 15) | ((six[:, :, 8:] & 15) << 4),
-                             ((six >> 4).reshape(n, sb, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1))
-                             .sum(2, dtype=np.uint8)], axis=2)  # fmt: skip
-    out = [hmask, two.sum(3, dtype=np.uint8).reshape(n, sb, 64), scales, d.view(np.uint8)]
-    return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(n, sb * 110)
-
-
 _DOWN = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL)  # FFN-down's format in layer l: _DOWN[l % 5]
 
 
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
     """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer,
-    ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks`` and ``_q3_k_blocks``), its q, k, v (576 columns, not
+    ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks``), its q, k, v (576 columns, not
     a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
 
     def convert(t: ReaderTensor) -> tuple[np.ndarray, GGMLQuantizationType] | None:
@@ -215,8 +190,6 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if t.name.endswith("ffn_down.weight"):
             qtype = _DOWN[int(t.name.split(".")[1]) % 5]
-            if qtype is T.Q3_K:
-                return _q3_k_blocks(dense), qtype
             return quantize_blocks(dense, QuantKind(int(qtype))), qtype
         kind = QuantKind.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else QuantKind.Q5_0
         return quantize_blocks(dense, kind), T(int(kind))
@@ -225,11 +198,11 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
 
 
 def test_the_q3_k_and_iq4_nl_encoders_write_what_gguf_reads_back() -> None:
-    """``_q3_k_blocks`` (the test's) and ``quantize_iq4_nl`` (``--weights iq4_nl``): gguf dequantises them to within
+    """``quantize_q3_k`` and ``quantize_iq4_nl`` (``--weights q3_k`` / ``iq4_nl``): gguf dequantises them to within
     a step of the source."""
     x = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32) * 0.05
-    iq4 = quantize_blocks(x, QuantKind.IQ4_NL)
-    for blocks, qtype, step in ((_q3_k_blocks(x), T.Q3_K, 0.05 * 8 / 7), (iq4, T.IQ4_NL, 0.05 * 8 / 10)):
+    q3, iq4 = quantize_blocks(x, QuantKind.Q3_K), quantize_blocks(x, QuantKind.IQ4_NL)
+    for blocks, qtype, step in ((q3, T.Q3_K, 0.05 * 8 / 7), (iq4, T.IQ4_NL, 0.05 * 8 / 10)):
         back = _reference(blocks, qtype, 8, 512).numpy()
         assert np.abs(back - x).max() < step, qtype
         assert np.abs(back - x).mean() < step / 4, qtype
@@ -301,17 +274,18 @@ def test_weights_fused_together_are_brought_to_one_format() -> None:
 
 
 def test_fused_groups_with_k_quants() -> None:
-    """The K-quants' two-level scales have no exact counterpart but Q4_K -> Q5_K (the 5th bits 0): Q4_K_M's attn_v
-    in Q6_K beside q / k in Q4_K becomes Q8_0, each member requantized with its error recorded; Q4_K beside Q5_K
-    becomes Q5_K exactly; a group all in Q6_K stays."""
+    """The K-quants' two-level scales have no exact counterpart but Q4_K -> Q5_K (the 5th bits 0) and Q3_K -> Q6_K (the
+    quants + 28): Q4_K_M's attn_v in Q6_K beside q / k in Q4_K becomes Q8_0, each member requantized with its error
+    recorded; Q4_K beside Q5_K becomes Q5_K exactly, Q3_K beside Q6_K Q6_K exactly; a group all in Q6_K stays."""
     w = _weights(seed=6, k=256)
 
-    a, m, b = "model.layers.0.self_attn.", "model.layers.0.mlp.", "model.layers.1.mlp."
+    a, m, b, c = "model.layers.0.self_attn.", "model.layers.0.mlp.", "model.layers.1.mlp.", "model.layers.2.mlp."
     tensors: dict[str, Weight] = {
         a + "q_proj.weight": w(QuantKind.Q4_K), a + "k_proj.weight": w(QuantKind.Q4_K),
         a + "v_proj.weight": w(QuantKind.Q6_K),
         m + "gate_proj.weight": w(QuantKind.Q6_K), m + "up_proj.weight": w(QuantKind.Q6_K),
         b + "gate_proj.weight": w(QuantKind.Q4_K), b + "up_proj.weight": w(QuantKind.Q5_K),
+        c + "gate_proj.weight": w(QuantKind.Q3_K), c + "up_proj.weight": w(QuantKind.Q6_K),
     }  # fmt: skip
     out = _fused(tensors)
     kinds = {n: (v.kind if isinstance(v, Packed) else None) for n, v in out.tensors.items()}
@@ -322,6 +296,10 @@ def test_fused_groups_with_k_quants() -> None:
     assert isinstance(before, Packed) and isinstance(after, Packed)
     assert torch.equal(after.dequantize(), before.dequantize()) and out.converted["Q4_K->Q5_K"] == 0.0
     assert 0 < out.converted["Q6_K->Q8_0"] < 0.01 and 0 < out.converted["Q4_K->Q8_0"] < 0.01
+    assert kinds[c + "gate_proj.weight"] is kinds[c + "up_proj.weight"] is QuantKind.Q6_K
+    before, after = tensors[c + "gate_proj.weight"], out.tensors[c + "gate_proj.weight"]
+    assert isinstance(before, Packed) and isinstance(after, Packed) and before.kind is QuantKind.Q3_K
+    assert torch.equal(after.dequantize(), before.dequantize()) and out.converted["Q3_K->Q6_K"] == 0.0
 
 
 def test_fused_groups_with_iq4_nl() -> None:
@@ -348,7 +326,7 @@ def test_fused_groups_with_iq4_nl() -> None:
 
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K, Q5_K, Q6_K, IQ4_NL, Q5_0 and Q5_1 tensors stay, Q3_K becomes Q6_K (exactly); the engine's
+    """As stored, the Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, Q5_0 and Q5_1 tensors stay; the engine's
     reference
     path on that build gives the same next-token distributions as on the dense build of the same file (gguf's
     dequantisation: the packed weights dequantise bit-equal to it), and the fast path (integer kernels, the
@@ -356,7 +334,7 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     src = tmp_path / "smollm2-kq.gguf"
     _rewrite_as_k_quants(smollm2_gguf(), src)
     ck = load_gguf(src)
-    kinds = (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q6_K, QuantKind.IQ4_NL)  # of _DOWN's formats
+    kinds = [QuantKind(int(t)) for t in _DOWN]
     for layer in range(5, 10):
         down = ck.tensors[f"model.layers.{layer}.mlp.down_proj.weight"]
         assert isinstance(down, Packed) and down.kind is kinds[layer % 5]
@@ -364,7 +342,7 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
     up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
     assert isinstance(up, Packed) and up.kind is QuantKind.Q5_1
-    assert ck.converted == {"Q3_K->Q6_K": 0.0}  # exactly
+    assert ck.converted == {}  # nothing converted
 
     stored = build_engine(str(src), tmp_path / "as-stored", BuildOptions(dtype=DType.FLOAT32), progress=False)
     dense_opts = BuildOptions(dtype=DType.FLOAT32, weights=WeightStorage.DENSE)
@@ -384,5 +362,6 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
         assert max(diff) < 1e-4, diff  # the same fp32 weights
         assert top1_agreement(a, b) == 1.0
     fast = LLMEngine(EngineConfig(engine_dir=stored, num_pages=64, fast_cpu=True), load_tokenizer=False)
-    assert "iq4_nl+q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in fast.kernel_path and "fused-step" in fast.kernel_path
+    path = fast.kernel_path
+    assert "iq4_nl+q3_k+q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in path and "fused-step" in path
     assert len(fast.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8

@@ -128,17 +128,23 @@ def test_every_path_takes_q8_0_quants_of_the_full_int8_range(paths: dict[str, ct
 @pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
 @pytest.mark.parametrize(
     ("src", "dst"),
-    [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1), (QuantKind.IQ4_NL, QuantKind.Q8_0)],
+    [
+        (QuantKind.Q5_0, QuantKind.Q8_0),
+        (QuantKind.Q4_1, QuantKind.Q5_1),
+        (QuantKind.IQ4_NL, QuantKind.Q8_0),
+        (QuantKind.Q3_K, QuantKind.Q6_K),
+    ],
 )
 def test_every_path_computes_the_same_values_in_two_formats_the_same(
     paths: dict[str, ctypes.CDLL], n: int, k: int, rows: int, src: QuantKind, dst: QuantKind
 ) -> None:
     """The builder's exact changes of format (Q5_0 -> the Q8_0 blocks ``d * (q - 16)``; Q4_1 -> Q5_1, the 5th bits
-    0; IQ4_NL -> the Q8_0 blocks of its table's values) keep the integer sums, so the SIMD paths' results are
-    bit-identical between them, the scalar loops' within float rounding (20 rows take the per-group unpacking on
-    AVX-512)."""
+    0; IQ4_NL -> the Q8_0 blocks of its table's values; Q3_K -> Q6_K, the quants + 28) keep the integer sums, so the
+    SIMD paths' results are bit-identical between them, the scalar loops' within float rounding (20 rows take the
+    per-group unpacking on AVX-512)."""
     from builders.gguf_convert import _as
 
+    k = -(-k // src.block_weights) * src.block_weights  # Q3_K: whole super-blocks of 256
     rng = np.random.default_rng(n + rows)
     a = from_gguf_blocks(src, quantize_blocks(rng.standard_normal((n, k)).astype(np.float32) * 0.05, src), (n, k))
     kernels = cpu_kernels()

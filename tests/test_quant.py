@@ -65,7 +65,8 @@ def test_packed_form_dequantises_bit_equal_to_gguf(kind: QuantKind) -> None:
     p, raw = _packed(kind, 48, k)
     want = np.asarray(dequantize(raw, GGMLQuantizationType(int(kind))), dtype=np.float32).reshape(48, k)
     assert torch.equal(p.dequantize(), torch.from_numpy(want))
-    unpacked = 48 * k // 256 * 4 if kind.two_level else 0  # Q4_K / Q5_K: 16 bytes of 6-bit scales, not 12
+    six_bit = kind.two_level or kind is QuantKind.Q3_K  # 16 bytes of their 6-bit scales (and minimums), not 12
+    unpacked = 48 * k // 256 * 4 if six_bit else 0
     assert p.shape == (48, k) and p.nbytes == raw.nbytes + unpacked
 
 
@@ -289,19 +290,24 @@ def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantK
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
-@pytest.mark.parametrize(("src", "dst"), [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1)])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1), (QuantKind.Q3_K, QuantKind.Q6_K)],
+)
 def test_the_same_values_in_two_formats_compute_the_same(
     kernels: ModuleType, rows: int, src: QuantKind, dst: QuantKind
 ) -> None:
     """The builder's exact changes of format keep the integer sums, so the GEMM's result is bit-identical (the SIMD
     kernels), at decode row counts and past the per-group unpacking: Q5_0 as the Q8_0 ``d * (q - 16)`` it was
-    converted to before it was kept; Q4_1 as Q5_1 (the 5th bits 0: a fused group of Q4_1 and Q5 weights)."""
+    converted to before it was kept; Q4_1 as Q5_1 (the 5th bits 0: a fused group of Q4_1 and Q5 weights); Q3_K as
+    the Q6_K it was converted to before it was kept (the quants + 28)."""
     from builders.gguf_convert import _as
 
-    a_p, _ = _packed(src, 200, 320, seed=rows)
+    k = _cols(src, 320)
+    a_p, _ = _packed(src, 200, k, seed=rows)
     b_p = _as(a_p, dst)
     assert b_p.kind is dst and torch.equal(b_p.dequantize(), a_p.dequantize())
-    x, bias = torch.randn(rows, 320), torch.randn(200)
+    x, bias = torch.randn(rows, k), torch.randn(200)
     a, b = group(a_p, kernels), group(b_p, kernels)
     # the scalar loops may sum a row's blocks in another order per format (-ffast-math): rounding apart
     same = torch.equal if kernels.i8_path() != "scalar" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
@@ -310,7 +316,8 @@ def test_the_same_values_in_two_formats_compute_the_same(
 
 
 @pytest.mark.parametrize(
-    "kind", [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K, QuantKind.IQ4_NL]
+    "kind",
+    [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K, QuantKind.IQ4_NL, QuantKind.Q3_K],
 )
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their

@@ -24,8 +24,9 @@ class _Frozen(BaseModel):
 
 
 class WeightStorage(enum.Enum):
-    """How an engine directory holds the weights. AS_STORED: a GGUF's block-quantized tensors (Q8_0,
-    Q4_0, Q4_1) stay packed and the engine computes with them (``torch_engine/quant.py``), the rest in
+    """How an engine directory holds the weights. AS_STORED: a GGUF's block-quantized tensors (Q8_0, Q6_K, Q5_K,
+    Q5_1, Q5_0, Q4_K, Q4_1, Q4_0, IQ4_NL, Q3_K) stay packed and the engine computes with them
+    (``torch_engine/quant.py``), the rest in
     the engine's dtype; DENSE: every tensor dequantised to the engine's dtype."""
 
     AS_STORED = "as-stored"

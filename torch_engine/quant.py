@@ -2,23 +2,24 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's ``Q8_0``, ``Q6_K``,
-``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0``, ``Q4_1`` and ``IQ4_NL`` are, but stored as separate arrays (one
-sequential stream each for the kernels, and plain tensors for safetensors):
+``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0``, ``Q4_1``, ``IQ4_NL`` and ``Q3_K`` are, but stored as separate
+arrays (one sequential stream each for the kernels, and plain tensors for safetensors):
 
 - ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (the others' low 4 bits: byte j of a block
-  holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order);
-- ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K: each super-block of 256's, ``[N, K / 256]``; Q4_K
-  and Q5_K: each super-block's scale and minimum's scale, ``d`` then ``dmin``, ``[N, K / 128]``);
-- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1); Q6_K: its sub-block scales, one per 16
-  weights, ``[N, K / 16]`` int8; Q4_K and Q5_K: each block's 6-bit scale and minimum, ``[N, K / 16]`` uint8;
-- ``h``: the bits above the low 4, ``[N, K / 8]`` uint8 for Q5_0 and Q5_1 (a block's 4 bytes, bit e of them element
-  e's 5th, GGUF's little-endian ``qh``; and Q5_K), ``[N, K / 4]`` for Q6_K (a block's 8 bytes, bits 2e and 2e + 1
-  element e's 5th and 6th).
+  holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order); Q3_K: their low
+  2 bits, ``[N, K / 4]`` (byte j of a block's 8 holds elements j, j + 8, j + 16, j + 24 at bits 0, 2, 4, 6);
+- ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K, Q3_K: each super-block of 256's, ``[N, K / 256]``;
+  Q4_K and Q5_K: each super-block's scale and minimum's scale, ``d`` then ``dmin``, ``[N, K / 128]``);
+- ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1); Q6_K and Q3_K: their sub-block scales, one
+  per 16 weights, ``[N, K / 16]`` int8; Q4_K and Q5_K: each block's 6-bit scale and minimum, ``[N, K / 16]`` uint8;
+- ``h``: the bits above the low 4 (Q3_K: the low 2), ``[N, K / 8]`` uint8 for Q5_0, Q5_1, Q5_K and Q3_K (a block's 4
+  bytes, bit e of them element e's 5th (Q3_K: 3rd), GGUF's little-endian ``qh``), ``[N, K / 4]`` for Q6_K (a
+  block's 8 bytes, bits 2e and 2e + 1 element e's 5th and 6th).
 
-Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q5_0 ``d * (q - 16)``, Q4_0 ``d * (q - 8)``, IQ4_NL
-``d * IQ4_NL_VALUES[q]`` (a non-uniform int8 table; Q4_0's layout otherwise), Q4_1 and Q5_1 ``d * q + m``, Q4_K and
-Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as ``gguf.quants.dequantize`` does (``dequantize``
-here is bit-equal to it; the tests check).
+Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q3_K ``(d * sc) * (q - 4)``, Q5_0 ``d * (q - 16)``,
+Q4_0 ``d * (q - 8)``, IQ4_NL ``d * IQ4_NL_VALUES[q]`` (a non-uniform int8 table; Q4_0's layout otherwise), Q4_1 and
+Q5_1 ``d * q + m``, Q4_K and Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as
+``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
 and scales with 16 output rows interleaved, the layout of the integer kernels
@@ -53,6 +54,7 @@ class QuantKind(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -61,7 +63,7 @@ class QuantKind(enum.IntEnum):
     @property
     def block_weights(self) -> int:
         """Weights of one GGUF block (the K-quants: a super-block of 256), the finest cut along K."""
-        return 256 if self in (QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K) else BLOCK
+        return 256 if self in (QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K) else BLOCK
 
     @property
     def two_level(self) -> bool:
@@ -71,14 +73,24 @@ class QuantKind(enum.IntEnum):
     @property
     def d_weights(self) -> int:
         """Weights along K per column of ``Packed.d``."""
-        return 256 if self is QuantKind.Q6_K else (128 if self.two_level else BLOCK)
+        return 256 if self.sub_scales else (128 if self.two_level else BLOCK)
+
+    @property
+    def sub_scales(self) -> bool:
+        """Q6_K / Q3_K: a signed int8 scale per 16 weights (``Packed.m``) times a super-block's ``d``."""
+        return self in (QuantKind.Q6_K, QuantKind.Q3_K)
+
+    @property
+    def low_bits(self) -> int:
+        """Bits per weight in ``Packed.qs``: Q8_0 8, Q3_K 2, the others 4."""
+        return {QuantKind.Q8_0: 8, QuantKind.Q3_K: 2}.get(self, 4)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one GGUF block of ``block_weights`` (scale, [minimum,] [high bits,] quants)."""
         return {
             QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34,
-            QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210, QuantKind.IQ4_NL: 18,
+            QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210, QuantKind.IQ4_NL: 18, QuantKind.Q3_K: 110,
         }[self]  # fmt: skip
 
     @property
@@ -87,13 +99,16 @@ class QuantKind(enum.IntEnum):
 
     @property
     def has_m(self) -> bool:
-        """Whether ``Packed.m`` is stored: the minimums, Q6_K's sub-block scales, Q4_K / Q5_K's scales and minimums."""
-        return self.has_min or self is QuantKind.Q6_K
+        """Whether ``Packed.m`` is stored: the minimums, Q6_K / Q3_K's sub-block scales, Q4_K / Q5_K's scales and
+        minimums."""
+        return self.has_min or self.sub_scales
 
     @property
     def high_bits(self) -> int:
-        """Bits per weight stored apart above the low 4 (``Packed.h``): Q5's 5th, Q6_K's 5th and 6th."""
-        return {QuantKind.Q5_0: 1, QuantKind.Q5_1: 1, QuantKind.Q5_K: 1, QuantKind.Q6_K: 2}.get(self, 0)
+        """Bits per weight stored apart above ``qs``'s (``Packed.h``): Q5's 5th, Q6_K's 5th and 6th, Q3_K's 3rd."""
+        return {QuantKind.Q5_0: 1, QuantKind.Q5_1: 1, QuantKind.Q5_K: 1, QuantKind.Q6_K: 2, QuantKind.Q3_K: 1}.get(
+            self, 0
+        )
 
     @property
     def has_high(self) -> bool:
@@ -137,8 +152,8 @@ class Packed:
                 f"a {self.kind.name} weight can only be cut at multiples of {unit} columns, "
                 f"not [{start}, {start + length})"
             )
-        per_q = 1 if self.kind is QuantKind.Q8_0 else 2
-        paired = self.kind is QuantKind.Q6_K or self.kind.two_level  # m: a byte each half block / two a block
+        per_q = 8 // self.kind.low_bits
+        paired = self.kind.sub_scales or self.kind.two_level  # m: a byte each half block / two a block
 
         def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
             return None if t is None else t[:, start // per : (start + length) // per].clone()
@@ -155,10 +170,11 @@ class Packed:
         """The dense weight ``[N, K]`` (fp32 arithmetic, as gguf's dequantisation; then ``dtype``)."""
         n, k = self.shape
         nb = k // BLOCK
-        if self.kind is QuantKind.Q6_K:  # as gguf: (d * sc) per 16 weights, times q - 32
+        if self.kind.sub_scales:  # as gguf: (d * sc) per 16 weights, times q - 32 (Q3_K: q - 4)
             assert self.m is not None
             scale = self.d.float().repeat_interleave(16, dim=1) * self.m.float()
-            q = (self.quants().to(torch.int16) - 32).float().reshape(n, k // 16, 16)
+            offset = 32 if self.kind is QuantKind.Q6_K else 4
+            q = (self.quants().to(torch.int16) - offset).float().reshape(n, k // 16, 16)
             return (scale.reshape(n, k // 16, 1) * q).reshape(n, k).to(dtype)
         if self.kind.two_level:  # as gguf: (d * sc) * q - dmin * mn
             assert self.m is not None
@@ -179,22 +195,27 @@ class Packed:
         return w.reshape(n, k).to(dtype)
 
     def quants(self) -> torch.Tensor:
-        """A Q4 / Q5 / Q6_K weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; the high
-        bits included)."""
+        """A Q3 / Q4 / Q5 / Q6_K weight's unsigned quants ``[N, K / 32, 32]`` (uint8, GGUF's element order; the
+        high bits included)."""
         n, k = self.shape
-        raw = self.qs.reshape(n, k // BLOCK, BLOCK // 2)
-        q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
+        low = self.kind.low_bits
+        if low == 2:  # byte j of a block's 8: elements j + 8 t at bits 2 t
+            crumbs = self.qs.reshape(n, k // BLOCK, 1, 8) >> torch.arange(0, 8, 2, dtype=torch.uint8).reshape(4, 1)
+            q = (crumbs & 3).reshape(n, k // BLOCK, BLOCK)
+        else:
+            raw = self.qs.reshape(n, k // BLOCK, BLOCK // 2)
+            q = torch.cat((raw & 0x0F, raw >> 4), dim=2)
         if self.h is not None:
             planes = self.kind.high_bits  # a byte of h holds 8 / planes elements' bits
             shifts = torch.arange(0, 8, planes, dtype=torch.uint8, device=self.h.device)
             bits = self.h.reshape(n, k // BLOCK, 4 * planes, 1) >> shifts
-            q = q | ((bits & ((1 << planes) - 1)).reshape(n, k // BLOCK, BLOCK) << 4)
+            q = q | ((bits & ((1 << planes) - 1)).reshape(n, k // BLOCK, BLOCK) << low)
         return q
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The safetensors entries of this weight under ``name``."""
         out = {f"{name}.qs": self.qs, f"{name}.d": self.d}
-        if self.m is not None:  # (minimums, or Q6_K's sub-block scales)
+        if self.m is not None:  # (minimums, or Q6_K / Q3_K's sub-block scales)
             out[f"{name}.m"] = self.m
         if self.h is not None:
             out[f"{name}.h"] = self.h
@@ -216,6 +237,8 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
         raise ValueError(f"a {kind.name} tensor needs a multiple of {kind.block_weights} columns, got {k}")
     if kind is QuantKind.Q6_K:
         return _from_q6_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 210), n, k)
+    if kind is QuantKind.Q3_K:
+        return _from_q3_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 110), n, k)
     if kind.two_level:
         return _from_k4(kind, np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, kind.block_bytes), n, k)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
@@ -256,6 +279,41 @@ def q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
         torch.from_numpy(np.ascontiguousarray(d)),
         torch.from_numpy(np.ascontiguousarray(sc)),
         torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 8)),
+    )
+
+
+def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    """Q3_K super-blocks ``[N, K / 256, 110]`` (hmask: 32 bytes, bit b of byte i element 32 b + i's 3rd bit, set
+    for the upper half of -4..3; qs: 64 bytes, byte 32 h + i holds elements 128 h + 32 s + i at bits 2 s; 12 bytes
+    of 6-bit scales, offset 32: the low 4 bits of scales j and j + 8 in byte j, the top 2 of scale 4 s + i at bits 2 s
+    of byte 8 + i; d) -> the packed form."""
+    sb = blocks.shape[1]
+    hmask, qs, scales = blocks[:, :, 0:32], blocks[:, :, 32:96], blocks[:, :, 96:108]
+    low = (scales[:, :, 0:8].reshape(n, sb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (scales[:, :, 8:12].reshape(n, sb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    sc = (low.reshape(n, sb, 16) | (high.reshape(n, sb, 16) << 4)).astype(np.int8) - np.int8(32)
+    two = (qs.reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    third = (hmask.reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    q = two.reshape(n, sb, 8, 32) | (third << 2)  # q - 4 = two - 4 (1 - third)
+    d = blocks[:, :, 108:110].copy().view(np.float16).reshape(n, sb)
+    return q3_k(d, sc.reshape(n, k // 16), q.reshape(n, k // 32, 32).astype(np.uint8))
+
+
+def q3_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
+    """A Q3_K weight out of its parts: ``d`` ``[N, K / 256]`` float16, the sub-block scales ``sc`` ``[N, K / 16]``
+    int8 (-32..31 in a file) and the quants ``q`` ``[N, K / 32, 32]`` uint8 in 0..7 (element order; each weight
+    ``(d * sc) * (q - 4)``)."""
+    n, nb, _ = q.shape
+    qs = ((q & 3).reshape(n, nb, 4, 8) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).sum(
+        axis=2, dtype=np.uint8
+    )  # byte j: elements j + 8 t at bits 2 t
+    h = (((q >> 2) & 1).reshape(n, nb, 4, 8) << np.arange(8, dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
+    return Packed(
+        QuantKind.Q3_K,
+        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, nb * 8)),
+        torch.from_numpy(np.ascontiguousarray(d)),
+        torch.from_numpy(np.ascontiguousarray(sc)),
+        torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 4)),
     )
 
 

@@ -220,7 +220,7 @@ class FusedDecoder {
     TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
     const torch::Tensor &qs = t[0], &d = t[1], &m = t[2], &bias = t[3];
     TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
-                "d16 must be [groups, K/32 (Q6_K: K/256), 16] fp16");
+                "d16 must be [groups, K/32 (Q6_K / Q3_K: K/256), 16] fp16");
     Lin l;
     l.w.kind = static_cast<disagg_q::Kind>(kind);
     l.w.N = N;
@@ -231,9 +231,9 @@ class FusedDecoder {
     l.w.qs = static_cast<const uint8_t*>(qs.data_ptr());
     l.w.d = static_cast<const uint16_t*>(d.data_ptr());
     l.keep = {qs, d};
-    if (disagg_q::has_min(l.w.kind) || l.w.kind == disagg_q::Q6_K) {
+    if (disagg_q::has_min(l.w.kind) || disagg_q::sub_scales(l.w.kind)) {
       TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == l.w.groups() * l.w.NB() * 32,
-                  "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K [groups, K/32, 32] int8");
+                  "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K [groups, K/32, 32] int8");
       l.w.m = static_cast<const uint16_t*>(m.data_ptr());
       l.keep.push_back(m);
     }

@@ -5,7 +5,7 @@
 // bytes a weight, 6.4x less than fp32).
 //
 //   repack_q16(kind, qs, d, m or empty, h or empty) -> [qs16, d16, m16 or empty]
-//                                   (m: Q4_1 / Q5_1's minimums, Q6_K's sub-block scales; h: Q5's / Q6_K's high bits)
+//                   (m: Q4_1 / Q5_1's minimums, Q6_K / Q3_K's sub-block scales; h: Q5's / Q6_K's / Q3_K's high bits)
 //   quantize_act(x [R, K]) -> [q int8 [R, K], dx fp32 [R, K/32], s int32 [R, K/32]]
 //   gemm_q8(x [R, K], kind, qs16, d16, m16, N, bias [N] or empty, precise) -> [R, N] in x's dtype (fp32 or bf16)
 //   rows_q16(kind, qs16, d16, m16, N, ids or empty) -> [len(ids) or N, K] fp32
@@ -23,6 +23,7 @@
 namespace {
 
 using disagg_q::BLOCK;
+using disagg_q::Q3_K;
 using disagg_q::Q4_0;
 using disagg_q::Q5_0;
 using disagg_q::Q6_K;
@@ -33,7 +34,7 @@ using disagg_q::Q8_0;
 disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t N) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   TORCH_CHECK(d.dim() == 3 && d.size(2) == disagg_q::GROUP && d.element_size() == 2 && d.is_contiguous(),
-              "d16 must be [groups, K/32 (Q6_K: K/256), 16] fp16");
+              "d16 must be [groups, K/32 (Q6_K / Q3_K: K/256), 16] fp16");
   const auto k = static_cast<disagg_q::Kind>(kind);
   const int64_t G = d.size(0), NB = d.size(1) * disagg_q::scale_span(k) / BLOCK;
   TORCH_CHECK(N > 0 && (N + disagg_q::GROUP - 1) / disagg_q::GROUP == G, "N ", N, " does not fit ", G, " groups");
@@ -45,39 +46,41 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   w.K = NB * disagg_q::BLOCK;
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
   w.d = static_cast<const uint16_t*>(d.data_ptr());
-  if (disagg_q::has_min(k) || k == Q6_K) {  // 32 bytes a group and block: 16 fp16 minimums, or 2 x 16 int8 scales
+  if (disagg_q::has_min(k) || disagg_q::sub_scales(k)) {  // 32 bytes a group and block: 16 fp16 minimums, or
+                                                            // 2 x 16 int8 scales
     TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == G * NB * 32,
-                "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K [groups, K/32, 32] int8");
+                "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K [groups, K/32, 32] int8");
     w.m = static_cast<const uint16_t*>(m.data_ptr());
   }
   return w;
 }
 
-// The packed form (quant.py: qs [N, K or K/2], d / m [N, K/32] (Q6_K: d [N, K/256], m [N, K/16] int8; Q4_K / Q5_K:
-// d [N, K/128] (d, dmin), m [N, K/16] uint8 (sc, mn)), h [N, K/8] (Q6_K: [N, K/4])) -> [qs16, d16, m16 or empty]
-// (qgemm.h; the bits above the nibbles go into qs16).
+// The packed form (quant.py: qs [N, K or K/2] (Q3_K: K/4), d / m [N, K/32] (Q6_K / Q3_K: d [N, K/256], m [N, K/16]
+// int8; Q4_K / Q5_K: d [N, K/128] (d, dmin), m [N, K/16] uint8 (sc, mn)), h [N, K/8] (Q6_K: [N, K/4])) -> [qs16, d16,
+// m16 or empty] (qgemm.h; the bits above the nibbles go into qs16).
 std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                       torch::Tensor h) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);
   const auto k = static_cast<disagg_q::Kind>(kind);
   const int64_t span = disagg_q::scale_span(k);
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(),
-              "d must be [N, K/32] (Q6_K: [N, K/256]; Q4_K / Q5_K: [N, K/128]) fp16");
+              "d must be [N, K/32] (Q6_K / Q3_K: [N, K/256]; Q4_K / Q5_K: [N, K/128]) fp16");
   const int64_t N = d.size(0), K = d.size(1) * span, NB = K / BLOCK, ND = d.size(1), G = (N + 15) / 16;
-  const bool six = k == Q6_K, paired = six || disagg_q::two_level(k);  // m: two bytes a block
-  const bool with_min = disagg_q::has_min(k) && !paired;
-  const int planes = disagg_q::high_planes(k);
-  const int64_t row_bytes = kind == Q8_0 ? K : K / 2;
+  const bool six = k == Q6_K, three = k == Q3_K, paired = disagg_q::sub_scales(k) || disagg_q::two_level(k);
+  const bool with_min = disagg_q::has_min(k) && !paired;  // (paired: m is two bytes a block)
+  const int planes = three ? 1 : disagg_q::high_planes(k);
+  const int64_t row_bytes = kind == Q8_0 ? K : (three ? K / 4 : K / 2);
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
   if (with_min)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 / Q5_1 need m [N, K/32] fp16");
   if (paired)
     TORCH_CHECK(m.defined() && m.element_size() == 1 && m.is_contiguous() && m.numel() == N * K / 16,
-                "Q6_K needs its sub-block scales m [N, K/16] int8, Q4_K / Q5_K their scales and minimums (uint8)");
+                "Q6_K / Q3_K need their sub-block scales m [N, K/16] int8, Q4_K / Q5_K their scales and minimums "
+                "(uint8)");
   if (planes > 0)
     TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8 * planes,
-                "Q5_0 / Q5_1 need h [N, K/8], Q6_K h [N, K/4] (uint8)");
+                "Q5_0 / Q5_1 / Q3_K need h [N, K/8], Q6_K h [N, K/4] (uint8)");
   const uint8_t* hsrc = planes > 0 ? static_cast<const uint8_t*>(h.data_ptr()) : nullptr;
   const uint8_t* qsrc = static_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dsrc = d.data_ptr<at::Half>();
@@ -105,7 +108,16 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
           if (scout != nullptr)
             for (int64_t half = 0; half < 2; ++half)
               scout[(g * NB + b) * 32 + half * 16 + j] = scsrc[n * NB * 2 + 2 * b + half];
-          if (kind == Q8_0) {
+          if (three) {  // element e's low 2 bits at bits 2 (e / 8) of byte e % 8, its 3rd at bit e of h's 4 bytes
+            const uint8_t* hb = hsrc + n * (K / 8) + b * 4;
+            for (int64_t v = 0; v < 8; ++v)
+              for (int64_t i = 0; i < 4; ++i) {
+                const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i, jb = j * 4 + i;
+                const int low = (src[b * 8 + e % 8] >> (2 * (e / 8))) & 3;
+                blk[64 * (v / 4) + jb] |= static_cast<uint8_t>(low << (2 * (v % 4)));
+                if ((hb[e / 8] >> (e % 8)) & 1) blk[128 + 8 * v + jb / 8] |= static_cast<uint8_t>(1u << (jb % 8));
+              }
+          } else if (kind == Q8_0) {
             for (int64_t c = 0; c < 8; ++c)
               for (int64_t i = 0; i < 4; ++i) {
                 blk[c * 64 + j * 4 + i] = src[b * BLOCK + 4 * c + i];  // (-128 too: AVX2 takes |w| as u8)
@@ -230,7 +242,7 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
     } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32),
-              // Q4_K / Q5_K (d sc) q - dmin mn, IQ4_NL d value[q]
+              // Q3_K (d sc) (q - 4), Q4_K / Q5_K (d sc) q - dmin mn, IQ4_NL d value[q]
       const bool with_min = disagg_q::has_min(w.kind);
       float scale = d, mn = 0.0f;
       if (disagg_q::two_level(w.kind)) {
@@ -241,21 +253,20 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       } else if (with_min) {
         mn = disagg_q::fp16_to_float(w.m[(g * NB + b) * 16 + j]);
       }
-      const int offset = w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : 0));
-      const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K only
+      const int offset =
+          w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : (w.kind == Q3_K ? -4 : 0)));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K / Q3_K only
       auto value = [&](int q, int64_t e) {
-        if (w.kind == Q6_K) return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
+        if (disagg_q::sub_scales(w.kind))
+          return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
         if (w.kind == disagg_q::IQ4_NL) return d * static_cast<float>(disagg_q::IQ4_NL_VALUES[q]);
         return with_min ? scale * static_cast<float>(q) + mn : d * static_cast<float>(q + offset);
       };
       for (int64_t c = 0; c < 4; ++c)
         for (int64_t i = 0; i < 4; ++i) {
-          const uint8_t byte = blk[c * 64 + j * 4 + i];
           const int jb = static_cast<int>(j * 4 + i);
-          const int lo = (byte & 0x0F) | disagg_q::high_value(w.kind, blk, 2 * c, jb);
-          const int hi = (byte >> 4) | disagg_q::high_value(w.kind, blk, 2 * c + 1, jb);
-          o[8 * c + i] = value(lo, 8 * c + i);
-          o[8 * c + 4 + i] = value(hi, 8 * c + 4 + i);
+          o[8 * c + i] = value(disagg_q::quant_at(w.kind, blk, static_cast<int>(2 * c), jb), 8 * c + i);
+          o[8 * c + 4 + i] = value(disagg_q::quant_at(w.kind, blk, static_cast<int>(2 * c + 1), jb), 8 * c + 4 + i);
         }
     }
   }

@@ -1,5 +1,5 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 / IQ4_NL, blocks
-// of 32 along K) and activations quantized to int8 per 32-block, as llama.cpp computes:
+// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 / IQ4_NL / Q3_K,
+// blocks of 32 along K) and activations quantized to int8 per 32-block, as llama.cpp computes:
 // y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
 // (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
 //
@@ -15,13 +15,16 @@
 //       of that vector's byte j * 4 + i (an AVX-512 byte mask as it stands; AVX2 takes its half's 32 bits).
 //   Q6_K: Q4's 4 chunks, then 2 chunks of the top two bits: byte b of chunk 4 + u holds, at bits 2t, those of
 //       byte b of vector v = 4u + t (chunk v / 2's low (v even) or high nibbles); q in 0..63 stands for q - 32.
+//   Q3_K: 2 chunks of the low two bits (byte b of chunk u holds, at bits 2t, those of byte b of vector v = 4u + t,
+//       vectors as Q4's), then 8 64-bit words of the 3rd bits (as Q5's 5th); q in 0..7 stands for q - 4. Its
+//       scales as Q6_K's (d per 256, an int8 scale per 16).
 //   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
 //   Q4_K / Q5_K (Q4's / Q5's layout) keep GGUF's two-level scales: d [group][super-block of 256][d, dmin][16] fp16,
 //   and as `m` [group][block][scale, minimum][16] uint8 (6 bits each); a weight is (d * sc) * q - dmin * mn, the
 //   block's float scale and minimum made per block (exact in fp32) and used as Q4_1 / Q5_1 use theirs.
-//   Q6_K keeps GGUF's two-level scales: d [group][super-block of 256][16] fp16, and as `m` the sub-block
+//   Q6_K (and Q3_K) keep GGUF's two-level scales: d [group][super-block of 256][16] fp16, and as `m` the sub-block
 //   scales [group][block][2][16] int8 (the block's first 16 weights', then its last 16's); a weight is
-//   d * sc * (q - 32). Its integer sums are taken per half block and weighted by sc in int32 (exact).
+//   d * sc * (q - 32) (Q3_K: q - 4). Its integer sums are taken per half block and weighted by sc in int32 (exact).
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
 // [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; and slo, the sum of the first 16, for Q6_K). The
@@ -31,7 +34,7 @@
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
 //                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (past 16
-//                rows each group of Q5 / Q6_K / IQ4_NL unpacked once to a byte a weight: groups_unpacked);
+//                rows each group of Q5 / Q6_K / Q3_K / IQ4_NL unpacked once to a byte a weight: groups_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 and IQ4_NL by the sign trick (|w| x sign(x, w));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
@@ -72,16 +75,16 @@ template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
-// GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K, never stored: a Q5_1 / Q5_K / Q6_K group unpacked to one unsigned
-// byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are, the source's scales and minimums), which AVX-512
-// computes past 16 rows.
+// GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K, never stored: a Q5_1 / Q5_K / Q6_K (or Q3_K) group unpacked to one
+// unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28), the source's scales and
+// minimums), which AVX-512 computes past 16 rows.
 enum Kind : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
   U8_MIN = 1007, U8_K5 = 1013, U8_Q6K = 1014
 };
 inline bool known_kind(int64_t k) {
   return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q4_K || k == Q5_K || k == Q6_K ||
-         k == IQ4_NL;
+         k == IQ4_NL || k == Q3_K;
 }
 // IQ4_NL's values (llama.cpp's kvalues_iq4nl): a weight is d times the one its nibble picks.
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -93,10 +96,15 @@ constexpr int high_planes(Kind k) {  // bits a weight above the nibble: Q5's 5th
 }
 constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
 constexpr bool unpacks(Kind k) {  // (AVX-512, > 16 rows)
-  return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K || k == IQ4_NL;
+  return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K || k == IQ4_NL || k == Q3_K;
 }
 constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K; }  // a byte each
-constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K; }  // Q6_K's int8 scale per 16 weights
+constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K || k == Q3_K; }  // an int8 scale per 16 weights
+template <Kind KD>
+constexpr int32_t sub_offset() {  // where a sub-scaled half block's integer sum starts: -32 s (Q3_K: -4 s)
+  return KD == Q3_K ? -4 : -32;
+}
+constexpr int64_t bits_at(Kind k) { return k == Q3_K ? 128 : 256; }  // where a block's words of single bits start
 constexpr int64_t scale_span(Kind k) {  // weights along K per entry of d: 32; Q6_K one per 256; Q4_K / Q5_K two
   return sub_scales(k) ? 256 : (two_level(k) ? 128 : 32);
 }
@@ -147,11 +155,13 @@ struct Q16 {
   int64_t N = 0, K = 0;
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K: its int8 sub-block scales; Q4_K / Q5_K: u8
+  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K / Q3_K: int8 sub-block scales; Q4_K / Q5_K: u8
   int64_t first_group = 0;      // qs starts at this group (a Q5 group's copy unpacked to a byte a weight)
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
-  static constexpr int64_t block_bytes(Kind k) { return byte_quants(k) ? 512 : 256 + 64 * high_planes(k); }
+  static constexpr int64_t block_bytes(Kind k) {
+    return byte_quants(k) ? 512 : (k == Q3_K ? 192 : 256 + 64 * high_planes(k));
+  }
   int64_t d_blocks() const { return K / scale_span(kind); }  // entries of d per group and output
   int64_t group_bytes() const { return NB() * block_bytes(kind); }
   const uint8_t* group_qs(int64_t g) const { return qs + (g - first_group) * group_bytes(); }
@@ -226,9 +236,10 @@ constexpr int32_t u8_offset() {
   return KD == Q8_0 || KD == IQ4_NL ? -128 : offset<KD>();
 }
 
-inline uint64_t high_bits(const uint8_t* qb, int v) {  // Q5: word v of a block's 5th bits
+// Q5: word v of a block's 5th bits (Q3_K: its 3rd bits, at = 128)
+inline uint64_t high_bits(const uint8_t* qb, int v, int64_t at = 256) {
   uint64_t bits;
-  std::memcpy(&bits, qb + 256 + 8 * v, sizeof bits);
+  std::memcpy(&bits, qb + at + 8 * v, sizeof bits);
   return bits;
 }
 
@@ -236,6 +247,14 @@ inline uint64_t high_bits(const uint8_t* qb, int v) {  // Q5: word v of a block'
 inline int high_value(Kind k, const uint8_t* qb, int v, int jb) {
   if (k == Q6_K) return ((qb[256 + 64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) << 4;
   return has_high(k) ? static_cast<int>((high_bits(qb, v) >> jb) & 1) << 4 : 0;
+}
+
+// The unsigned quant of byte jb of a (not byte_quants) block's vector v, every bit of it.
+inline int quant_at(Kind k, const uint8_t* qb, int v, int jb) {
+  if (k == Q3_K)
+    return ((qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) | static_cast<int>(((high_bits(qb, v, 128) >> jb) & 1) << 2);
+  const uint8_t byte = qb[(v / 2) * 64 + jb];
+  return ((v % 2 ? byte >> 4 : byte) & 0x0F) | high_value(k, qb, v, jb);
 }
 
 // accumulate: y += the result (a residual add) instead of y = the result.
@@ -257,6 +276,19 @@ inline void six_bits512(const uint8_t* qb, __m512i wv[8]) {
     wv[4 * u + 2] = _mm512_or_si512(wv[4 * u + 2], _mm512_and_si512(hv, top));
     wv[4 * u + 3] = _mm512_or_si512(wv[4 * u + 3], _mm512_and_si512(_mm512_srli_epi16(hv, 2), top));
   }
+}
+
+// Q3_K: a block's 8 vectors of 3-bit quants (0..7) out of its 2 chunks of crumbs and its 3rd bits.
+inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
+  const __m512i two = _mm512_set1_epi8(0x03), b3 = _mm512_set1_epi8(0x04);
+  for (int u = 0; u < 2; ++u) {
+    const __m512i c = _mm512_loadu_si512(qb + 64 * u);
+    wv[4 * u] = _mm512_and_si512(c, two);
+    wv[4 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(c, 2), two);
+    wv[4 * u + 2] = _mm512_and_si512(_mm512_srli_epi16(c, 4), two);
+    wv[4 * u + 3] = _mm512_and_si512(_mm512_srli_epi16(c, 6), two);
+  }
+  for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, 128)), wv[v], b3);
 }
 
 template <Kind KD, int R>
@@ -286,6 +318,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
     } else if constexpr (byte_quants(KD)) {  // an unpacked copy
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(qb + c * 64);
+    } else if constexpr (KD == Q3_K) {
+      three_bits512(qb, wv);
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(qb + c * 64);
@@ -324,9 +358,9 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       // the offset (Q8_0's and IQ4_NL's +128 u8 offset here: -128 s) is where the sum starts
       const int32_t s = x.s[row * NB + b];
       __m512i a;
-      if constexpr (sub_scales(KD)) {  // per half: sum (q - 32) x, times the half's scale; |result| < 2^24
+      if constexpr (sub_scales(KD)) {  // per half: sum (q - 32) x (Q3_K: q - 4), times the half's scale; < 2^24
         const int32_t slo = x.slo[row * NB + b];
-        __m512i lo = _mm512_set1_epi32(-32 * slo), hi = _mm512_set1_epi32(-32 * (s - slo));
+        __m512i lo = _mm512_set1_epi32(sub_offset<KD>() * slo), hi = _mm512_set1_epi32(sub_offset<KD>() * (s - slo));
         for (int c = 0; c < 4; ++c) {
           lo = _mm512_dpbusd_epi32(lo, wv[c], _mm512_set1_epi32(xi[c]));
           hi = _mm512_dpbusd_epi32(hi, wv[c + 4], _mm512_set1_epi32(xi[c + 4]));
@@ -369,11 +403,17 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 }
 constexpr int TILE_ROWS = 8;
 
-// One Q5 / Q6_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values (q -
-// 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as U8_Q6K (q,
-// unsigned).
+// One Q5 / Q6_K / Q3_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values
+// (q - 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as U8_Q6K
+// (q, unsigned); Q3_K's as U8_Q6K too (q + 28: (q - 4) + 32).
 template <Kind KD>
 inline void unpack_block(const uint8_t* qb, uint8_t* out) {
+  if constexpr (KD == Q3_K) {
+    __m512i wv[8];
+    three_bits512(qb, wv);
+    for (int v = 0; v < 8; ++v) _mm512_storeu_si512(out + v * 64, _mm512_add_epi8(wv[v], _mm512_set1_epi8(28)));
+    return;
+  }
   const __m512i low4 = _mm512_set1_epi8(0x0F), b5 = _mm512_set1_epi8(0x10);
   __m512i table = _mm512_setzero_si512();  // IQ4_NL: its (signed) values in each 128-bit lane
   if constexpr (KD == IQ4_NL)
@@ -394,20 +434,21 @@ inline void unpack_block(const uint8_t* qb, uint8_t* out) {
 #elif defined(DISAGG_I8_AVX2)
 // Eight outputs (half h of the group) at a time: 16 ymm registers do not hold a whole group's block.
 
-// Q5: half h's 32 bits of word v of the 5th bits (qb: the block's start + h * 32, as half_tile reads it).
-inline uint32_t half_bits(const uint8_t* qb, int v, int h) {
+// Q5: half h's 32 bits of word v of the 5th bits (qb: the block's start + h * 32, as half_tile reads it; Q3_K's 3rd
+// bits: at = 128).
+inline uint32_t half_bits(const uint8_t* qb, int v, int h, int64_t at = 256) {
   uint32_t bits;
-  std::memcpy(&bits, qb - 32 * h + 256 + 8 * v + 4 * h, sizeof bits);
+  std::memcpy(&bits, qb - 32 * h + at + 8 * v + 4 * h, sizeof bits);
   return bits;
 }
 
-// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, 0x10 where the bit is set.
-inline __m256i fifth_bits(uint32_t bits) {
+// Q5: 32 bits (a half's share of a word of 5th bits) -> 32 bytes, 0x10 where the bit is set (Q3_K: `value` 0x04).
+inline __m256i fifth_bits(uint32_t bits, char value = 0x10) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of `bits` (each 128-bit lane holds all 4)
       _mm256_set1_epi32(static_cast<int32_t>(bits)),
       _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: 1 << (i % 8)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
 }
 
 template <Kind KD, int R>
@@ -417,7 +458,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   const uint8_t* qg = w.group_qs(g) + h * 32;  // (the 5th bits: qb - h * 32, see half_bits)
   const uint16_t* dg = w.d + g * w.d_blocks() * GROUP + h * 8;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP + h * 8 : nullptr;
-  const int8_t* sg = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
+  const int8_t* sg = sub_scales(KD) ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
   const uint8_t* kg = two_level(KD) ? reinterpret_cast<const uint8_t*>(w.m) + g * NB * 2 * GROUP + h * 8 : nullptr;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -460,6 +501,14 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
         w5[4 * u + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
                                         _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
       }
+    } else if constexpr (KD == Q3_K) {  // this half's crumbs and 3rd bits (see three_bits512)
+      const __m256i two = _mm256_set1_epi8(0x03);
+      for (int u = 0; u < 2; ++u) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * u));
+        for (int t = 0; t < 4; ++t)
+          w5[4 * u + t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two),
+                                          fifth_bits(half_bits(qb, 4 * u + t, h, 128), 0x04));
+      }
     } else if constexpr (has_high(KD)) {
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
@@ -472,8 +521,8 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
     if constexpr (KD == Q8_0 || KD == IQ4_NL)
       for (int c = 0; c < 8; ++c)
         wa[c] = _mm256_abs_epi8(KD == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64)) : w5[c]);
-    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K: the halves' sub-block scales
-    if constexpr (KD == Q6_K) {
+    __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K / Q3_K: the halves' sub-block scales
+    if constexpr (sub_scales(KD)) {
       sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
@@ -489,9 +538,9 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
           const __m256i p = _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(_mm256_set1_epi32(xi[c]), wq));
           a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
         }
-      } else if constexpr (KD == Q6_K) {
-        // per half: 2 x 2 products of <= 63 * 127 per 16-bit lane (at most 32,004) before widening; then - 32 x's sum,
-        // times the half's scale (|result| < 2^24)
+      } else if constexpr (sub_scales(KD)) {
+        // per half: 2 x 2 products of <= 63 * 127 per 16-bit lane (at most 32,004) before widening; then - 32 x's sum
+        // (Q3_K: - 4), times the half's scale (|result| < 2^24)
         const int32_t s = x.s[row * NB + b], slo = x.slo[row * NB + b];
         __m256i half[2];
         for (int p = 0; p < 2; ++p) {
@@ -501,8 +550,8 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
                                                _mm256_maddubs_epi16(w5[4 * p + 3], _mm256_set1_epi32(xi[4 * p + 3])));
           half[p] = _mm256_add_epi32(_mm256_madd_epi16(m16, ones), _mm256_madd_epi16(n16, ones));
         }
-        half[0] = _mm256_sub_epi32(half[0], _mm256_set1_epi32(32 * slo));
-        half[1] = _mm256_sub_epi32(half[1], _mm256_set1_epi32(32 * (s - slo)));
+        half[0] = _mm256_add_epi32(half[0], _mm256_set1_epi32(sub_offset<KD>() * slo));
+        half[1] = _mm256_add_epi32(half[1], _mm256_set1_epi32(sub_offset<KD>() * (s - slo)));
         a = _mm256_add_epi32(_mm256_mullo_epi32(half[0], sa), _mm256_mullo_epi32(half[1], sb));
       } else if constexpr (has_high(KD)) {
         // 2 products of <= 31 * 127 per 16-bit lane pair (at most 15,748) before each widening: no saturation
@@ -553,7 +602,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   float vals[R][GROUP] = {};
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = w.group_qs(g) + b * BB;
-    const int8_t* sc = KD == Q6_K ? reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 2 * GROUP : nullptr;
+    const int8_t* sc = sub_scales(KD) ? reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 2 * GROUP : nullptr;
     for (int64_t j = 0; j < GROUP; ++j) {
       const int64_t di = (g * w.d_blocks() + d_entry(KD, b)) * GROUP + j;
       float d = fp16_to_float(w.d[di]), mn = 0.0f;
@@ -572,20 +621,18 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
           for (int c = 0; c < 8; ++c)
             for (int i = 0; i < 4; ++i) dot += static_cast<int8_t>(qb[c * 64 + j * 4 + i]) * xq[4 * c + i];
         } else {
-          int32_t halves[2] = {0, 0};  // Q6_K: the sums of (q - 32) x over each half, weighted by its scale
+          int32_t halves[2] = {0, 0};  // Q6_K / Q3_K: the sums of (q - 32 or 4) x over each half, times its scale
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = qb[c * 64 + j * 4 + i];
               const int jb = static_cast<int>(j * 4 + i);
-              int32_t lo = (byte & 0x0F) | high_value(KD, qb, 2 * c, jb);
-              int32_t hi = (byte >> 4) | high_value(KD, qb, 2 * c + 1, jb);
+              int32_t lo = quant_at(KD, qb, 2 * c, jb), hi = quant_at(KD, qb, 2 * c + 1, jb);
               if constexpr (KD == IQ4_NL) lo = IQ4_NL_VALUES[lo], hi = IQ4_NL_VALUES[hi];
-              if constexpr (KD == Q6_K)
-                halves[c / 2] += (lo - 32) * xq[8 * c + i] + (hi - 32) * xq[8 * c + 4 + i];
+              if constexpr (sub_scales(KD))
+                halves[c / 2] += (lo + sub_offset<KD>()) * xq[8 * c + i] + (hi + sub_offset<KD>()) * xq[8 * c + 4 + i];
               else
                 dot += lo * xq[8 * c + i] + hi * xq[8 * c + 4 + i];
             }
-          if constexpr (KD == Q6_K) dot = halves[0] * sc[j] + halves[1] * sc[GROUP + j];
+          if constexpr (sub_scales(KD)) dot = halves[0] * sc[j] + halves[1] * sc[GROUP + j];
         }
         dot += offset<KD>() * x.s[row * NB + b];
         const float dx = x.dx[row * NB + b];
@@ -605,9 +652,10 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
                         const float* bias, bool accumulate);
 
 #if defined(DISAGG_I8_AVX512)
-// Q5 / Q5_K / Q6_K / IQ4_NL over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0 and
-// IQ4_NL: the Q8_0 blocks of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K: U8_Q6K), and every tile of rows run on
-// that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per tile (at 256 rows that cost
+// Q5 / Q5_K / Q6_K / Q3_K / IQ4_NL over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0 and
+// IQ4_NL: the Q8_0 blocks of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K and Q3_K: U8_Q6K), and every tile of
+// rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per tile (at 256 rows
+// that cost
 // Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4, IQ4_NL's lookup 14 % on a 7B FFN-down; Q6_K ran at 0.77x of Q8_0's
 // time without the copy, 0.84-0.88x with).
 // Not on AVX2: its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned products there (the AVX2
@@ -670,6 +718,7 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q4_K: groups_kind<Q4_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q5_K: groups_kind<Q5_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case IQ4_NL: groups_kind<IQ4_NL>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q3_K: groups_kind<Q3_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case U8_MIN:
     case U8_K5:
     case U8_Q6K: break;  // never stored (groups_unpacked's copies)
