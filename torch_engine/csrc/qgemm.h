@@ -95,8 +95,15 @@ constexpr int high_planes(Kind k) {  // bits a weight above the nibble: Q5's 5th
   return k == Q5_0 || k == Q5_1 || k == Q5_K ? 1 : (k == Q6_K ? 2 : 0);
 }
 constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
-constexpr bool unpacks(Kind k) {  // (AVX-512, > 16 rows)
+constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacked first (groups_unpacked)
+#if defined(DISAGG_I8_AVX512)
   return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K || k == IQ4_NL || k == Q3_K;
+#elif defined(DISAGG_I8_AVX2)
+  return k == Q3_K;
+#else
+  static_cast<void>(k);
+  return false;
+#endif
 }
 constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K; }  // a byte each
 constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K || k == Q3_K; }  // an int8 scale per 16 weights
@@ -580,6 +587,36 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   }
 }
 
+// Q3_K over many rows on AVX2: a block as the Q6_K block of the same values (q + 28, the same scales), which the Q6_K
+// kernel reads (extracting the 3rd bits per tile of 4 rows made Q3_K's GEMMs at 64-256 rows ~0.83x of its Q6_K form's).
+template <Kind KD>
+inline void unpack_block(const uint8_t* qb, uint8_t* out) {
+  static_assert(KD == Q3_K, "AVX2 unpacks Q3_K only");
+  const __m256i two = _mm256_set1_epi8(0x03), low4 = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8(28);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* qh = qb + 32 * h;
+    __m256i q[8];
+    for (int u = 0; u < 2; ++u) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 64 * u));
+      for (int t = 0; t < 4; ++t)
+        q[4 * u + t] = _mm256_add_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two),
+                                                       fifth_bits(half_bits(qh, 4 * u + t, h, 128), 0x04)),
+                                       offset);
+    }
+    for (int c = 0; c < 4; ++c)  // the nibbles: vector 2c low, 2c + 1 high (16-bit shifts of masked bytes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * c + 32 * h),
+                          _mm256_or_si256(_mm256_and_si256(q[2 * c], low4),
+                                          _mm256_slli_epi16(_mm256_and_si256(q[2 * c + 1], low4), 4)));
+    for (int u = 0; u < 2; ++u) {  // the top two bits of vector 4u + t at bits 2t
+      __m256i crumbs = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t)
+        crumbs = _mm256_or_si256(
+            crumbs, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q[4 * u + t], 4), two), 2 * t));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 256 + 64 * u + 32 * h), crumbs);
+    }
+  }
+}
+
 template <Kind KD, int R>
 inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
                        const float* bias, bool accumulate) {
@@ -651,21 +688,31 @@ template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate);
 
+#if defined(DISAGG_I8_AVX512) || defined(DISAGG_I8_AVX2)
+// The kind a group of KD is unpacked into (unpacks(KD)): AVX-512 a byte a weight, AVX2 Q3_K's Q6_K form.
+template <Kind KD>
+constexpr Kind unpacked_kind() {
 #if defined(DISAGG_I8_AVX512)
+  return KD == Q5_0 || KD == IQ4_NL ? Q8_0 : (KD == Q5_1 ? U8_MIN : (KD == Q5_K ? U8_K5 : U8_Q6K));
+#else
+  return Q6_K;
+#endif
+}
+
 // Q5 / Q5_K / Q6_K / Q3_K / IQ4_NL over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0 and
 // IQ4_NL: the Q8_0 blocks of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K and Q3_K: U8_Q6K), and every tile of
 // rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per tile (at 256 rows
 // that cost
 // Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4, IQ4_NL's lookup 14 % on a 7B FFN-down; Q6_K ran at 0.77x of Q8_0's
 // time without the copy, 0.84-0.88x with).
-// Not on AVX2: its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned products there (the AVX2
-// build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
+// On AVX2 only Q3_K (into its Q6_K form): its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned
+// products there (the AVX2 build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
 
 template <Kind KD>
 inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
                                int64_t ldy, const float* bias, bool accumulate) {
-  constexpr Kind UK = KD == Q5_0 || KD == IQ4_NL ? Q8_0 : (KD == Q5_1 ? U8_MIN : (KD == Q5_K ? U8_K5 : U8_Q6K));
+  constexpr Kind UK = unpacked_kind<KD>();
   thread_local std::vector<uint8_t> buf;  // (the step's parallel region: grows once to the widest K, never throws
                                           // in practice: 16 KB per 1,000 columns)
   const int64_t NB = w.NB(), BB = Q16::block_bytes(KD), XB = Q16::block_bytes(UK);
@@ -685,7 +732,7 @@ inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0,
 template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
-#if defined(DISAGG_I8_AVX512)
+#if defined(DISAGG_I8_AVX512) || defined(DISAGG_I8_AVX2)
   if constexpr (unpacks(KD)) {
     if (R > UNPACK_ROWS) return groups_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
