@@ -9,17 +9,21 @@ taking the median of the pairs' ratios. Points: decode steps at each batch (``de
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from bench.engine import decode_step_ms
 from torch_engine.config import EngineConfig, PrefixCacheConfig
+from torch_engine.cpu import cpu_info
 from torch_engine.engine import LLMEngine
+from torch_engine.quant import Grouped, Packed, group
 from torch_engine.sampling import SamplingParams
 
 
@@ -118,3 +122,54 @@ def gemm_args(rows: list[int]) -> tuple[argparse.Namespace, ModuleType]:
     assert kernels is not None, "the kernels cannot be built here"
     torch.set_num_threads(a.threads)
     return a, kernels
+
+
+def main_files(root: Path, as_before: Callable[[Path, Path], int], files: list[str]) -> None:
+    """A dated engine A/B's command line (``OUT.json [--threads 1 2] [--batches 1 8 16] [--files ...]``):
+    ``compare_files`` for each file, the CPU and the time beside them in ``OUT.json``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--files", nargs="+", default=files)
+    p.add_argument("out", type=Path)
+    a = p.parse_args()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result: dict[str, object] = {"cpu": cpu_info().as_dict(), "when": when}
+    for ftype in a.files:
+        result[ftype] = compare_files(root, ftype, as_before, a.threads, a.batches)
+    a.out.write_text(json.dumps(result, indent=1))
+
+
+def time_gemm_sets(
+    sets: dict[str, tuple[tuple[int, int], int]], sides: Sequence[str],
+    forms: Callable[[torch.Tensor], Sequence[Packed]], rows: list[int] | None = None,
+) -> None:  # fmt: skip
+    """A dated GEMM benchmark (``gemm_args``' command line): for each set ``name: ((n, k), count)``, ``count`` random
+    ``[n, k]`` weights (standard normal x 0.05) in each side's form (``forms`` of one weight, in ``sides``' order),
+    each side's GEMMs timed in turn (the order rotated every round), medians over 9 rounds (5 past 16 rows); prints
+    each side's MB and time and the other sides' times over the first's."""
+    a, kernels = gemm_args(rows=rows or [1, 8, 64, 256])
+    rng = np.random.default_rng(0)
+    for name, ((n, k), count) in sets.items():
+        grouped: dict[str, list[Grouped]] = {s: [] for s in sides}
+        for _ in range(count):
+            w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+            for side, packed in zip(sides, forms(w), strict=True):
+                grouped[side].append(group(packed, kernels))
+        mb = {s: round(sum(g.nbytes for g in gs) / 1e6, 1) for s, gs in grouped.items()}
+        print({"set": name, "march": a.march or "native", "i8_path": kernels.i8_path(), "threads": a.threads,
+               "MB": mb}, flush=True)  # fmt: skip
+        empty = torch.empty(0)
+        order = list(sides)
+        for r in a.rows:
+            x = torch.randn(r, k)
+            times: dict[str, list[float]] = {s: [] for s in sides}
+            for i in range(9 if r <= 16 else 5):
+                for s in order[i % len(order) :] + order[: i % len(order)]:
+                    t = time.perf_counter()
+                    for g in grouped[s]:
+                        g.gemm(kernels, x, empty)
+                    times[s].append((time.perf_counter() - t) * 1e3)
+            med = {s: statistics.median(v) for s, v in times.items()}
+            ratios = "  ".join(f"{s} / {order[0]} {med[s] / med[order[0]]:.2f}" for s in order[1:])
+            print(f"  rows {r}: " + "  ".join(f"{s} {v:.2f} ms" for s, v in med.items()) + "  " + ratios, flush=True)

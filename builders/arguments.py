@@ -26,11 +26,11 @@ def engine_source_arguments(p: argparse.ArgumentParser, dtype: DType = DType.BFL
         "--weights",
         choices=[*WEIGHTS, *QUANTIZE],
         default="as-stored",
-        help="as-stored: a GGUF's Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K tensors stay "
-        "quantized and the engine computes with them, its other quantized tensors are converted (IQ4_XS to IQ4_NL "
-        "with fp16-rounded scales, Q2_K and the other IQ formats requantized to Q8_0; the "
+        help="as-stored: a GGUF's Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K / Q2_K tensors "
+        "stay quantized and the engine computes with them, its other quantized tensors are converted (IQ4_XS to "
+        "IQ4_NL with fp16-rounded scales, the other IQ formats requantized to Q8_0; the "
         "error is logged and kept in engine.json); bf16 / fp32: every weight dequantised to that dtype (sets "
-        "--dtype); q8_0 / q6_k / ... / q4_0 / iq4_nl / q3_k: as-stored, and the dense GEMM weights left "
+        "--dtype); q8_0 / q6_k / ... / q4_0 / iq4_nl / q3_k / q2_k: as-stored, and the dense GEMM weights left "
         "(a Hugging Face checkpoint's, a GGUF's F16) quantized to that format at build time (embedding and lm_head "
         "Q8_0; the K-quants' rows not a multiple of 256 weights Q8_0; the error is logged)",
     )

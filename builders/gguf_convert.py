@@ -2,15 +2,15 @@
 
 Most published GGUF files use llama.cpp's K-quants: a ``Q4_K_M`` file is Q4_K with Q6_K for the most
 sensitive tensors, and Q5_0 / Q8_0 where a row is not a multiple of 256 weights (a ``Q5_K_M`` file Q5_K / Q6_K,
-and Q5_1 / Q8_0 there). The engine computes with Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1 and IQ4_NL
-as stored (``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another format
-becomes one of those, so the integer kernels read it packed instead of a dense bf16 copy:
+and Q5_1 / Q8_0 there). The engine computes with Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1 and
+IQ4_NL as stored (``torch_engine/quant.py``). With ``--weights as-stored`` (the default) each 2-D tensor in another
+format becomes one of those, so the integer kernels read it packed instead of a dense bf16 copy:
 
 - **IQ4_XS -> IQ4_NL** (kept as stored): the same 4-bit indices into the same table, each 32 weights' scale ``d *
   (scale - 32)`` rounded to fp16 (each weight within 2^-11 of itself; 4.5 bits a weight for the file's 4.25).
-- **Every other quantized format** gguf can dequantise (Q2_K, the other IQ
-  formats) -> Q8_0 by gguf's reference quantizer over the exact dequantised weights: each weight
-  within half its block's new step (max |w| / 254), finer than every source format's own step.
+- **Every other quantized format** gguf can dequantise (the other IQ formats) -> Q8_0 by gguf's reference quantizer over
+  the exact dequantised weights: each weight within half its block's new step (max |w| / 254), finer than every source
+  format's own step.
 - F32 / F16 / BF16 tensors stay dense (``--weights q8_0 | q6_k | ... | q4_0`` quantizes them, ``builders.quantize``).
 
 The error of each conversion is measured against gguf's dequantisation of the source (the relative
@@ -103,11 +103,13 @@ _EXACT = {
     QuantKind.Q6_K: set(),
     QuantKind.IQ4_NL: {QuantKind.Q8_0},
     QuantKind.Q3_K: {QuantKind.Q6_K},
+    QuantKind.Q2_K: set(),
 }
-_BITS = {QuantKind.Q3_K: -1, QuantKind.Q4_0: 0, QuantKind.IQ4_NL: 1, QuantKind.Q4_1: 1, QuantKind.Q4_K: 1,
-         QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q5_K: 3, QuantKind.Q6_K: 4, QuantKind.Q8_0: 5}  # fmt: skip
+_BITS = {QuantKind.Q2_K: -2, QuantKind.Q3_K: -1, QuantKind.Q4_0: 0, QuantKind.IQ4_NL: 1, QuantKind.Q4_1: 1,
+         QuantKind.Q4_K: 1, QuantKind.Q5_0: 2, QuantKind.Q5_1: 3, QuantKind.Q5_K: 3, QuantKind.Q6_K: 4,
+         QuantKind.Q8_0: 5}  # fmt: skip
 # in a mix with no exact common format
-_TO_Q8_0 = {QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.IQ4_NL}
+_TO_Q8_0 = {QuantKind.Q2_K, QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.IQ4_NL}
 
 
 def _common(kinds: set[QuantKind]) -> QuantKind:

@@ -79,7 +79,7 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     """The checkpoint in ``path``; ``packed``: 2-D tensors in a block format the engine computes with
     (``QuantKind``) stay as stored, those in another quantized format are converted into one
-    (``builders/gguf_convert.py``: Q3_K, Q2_K, the IQ formats; the error in ``Checkpoint.converted``);
+    (``builders/gguf_convert.py``: IQ4_XS, the other IQ formats; the error in ``Checkpoint.converted``);
     otherwise every tensor is dequantised to fp32."""
     try:
         reader = GGUFReader(str(path))

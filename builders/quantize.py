@@ -1,12 +1,12 @@
 """Quantize a checkpoint's dense GEMM weights at build time (``disagg build --weights q8_0 | q6_k | q5_k | q5_1 |
-q5_0 | q4_k | q4_1 | q4_0 | iq4_nl | q3_k``).
+q5_0 | q4_k | q4_1 | q4_0 | iq4_nl | q3_k | q2_k``).
 
 A Hugging Face checkpoint, or the dense tensors of a GGUF file (F16, BF16, F32; its quantized ones
 are kept or converted on import, ``builders/gguf_convert.py``), become the block formats the engine's integer
 kernels read (``torch_engine/quant.py``), quantized by gguf's reference quantizer — the file a
 ``llama-quantize`` run would write for those tensors — or, for the K-quants and IQ4_NL, which gguf's Python package
-cannot quantize, by ``quantize_q6_k`` / ``quantize_k4`` / ``quantize_q3_k`` / ``quantize_iq4_nl`` here (plain
-round-to-nearest, not llama.cpp's error search):
+cannot quantize, by ``quantize_q6_k`` / ``quantize_k4`` / ``quantize_q3_k`` / ``quantize_q2_k`` / ``quantize_iq4_nl``
+here (plain round-to-nearest, not llama.cpp's error search):
 
 - the decoder layers' attention projections (q, k, v, o) and dense MLP (gate, up, down): the chosen
   format (Q8_0: int8 per block of 32 with an fp16 scale; Q6_K: 6 bits with an int8 scale per 16 and an fp16
@@ -14,7 +14,8 @@ round-to-nearest, not llama.cpp's error search):
   Q8_0 where a row is not a multiple of 256 weights, as llama.cpp falls back; Q5_0: 5 bits with a
   scale; Q5_1: 5 bits with a scale and a minimum; Q4_0: int4 with a scale; Q4_1: int4 with a scale and a
   minimum; IQ4_NL: 4-bit indices into a non-uniform table of 16 int8 values, with a scale; Q3_K: 3 bits with a
-  signed 6-bit scale per 16 and an fp16 one per 256);
+  signed 6-bit scale per 16 and an fp16 one per 256; Q2_K: 2 bits with a 4-bit scale and minimum per 16 and fp16 ones
+  per 256);
 - the token embedding and an untied lm_head: Q8_0 whatever the choice (as llama.cpp's Q4 presets
   keep the output in 6-8 bits: the logits are the most sensitive GEMM);
 - everything else (norms, biases, MLA and MoE weights, rows whose width is not a multiple of 32)
@@ -94,6 +95,8 @@ def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
         return quantize_q6_k(w)
     if kind is QuantKind.Q3_K:
         return quantize_q3_k(w)
+    if kind is QuantKind.Q2_K:
+        return quantize_q2_k(w)
     if kind is QuantKind.IQ4_NL:
         return quantize_iq4_nl(w)
     if kind.two_level:
@@ -208,6 +211,31 @@ def quantize_q3_k(w: np.ndarray) -> np.ndarray:
                              .sum(2, dtype=np.uint8)], axis=2)  # fmt: skip
     out = [hmask, two.sum(3, dtype=np.uint8).reshape(n, sb, 64), scales, d.view(np.uint8)]
     return np.ascontiguousarray(np.concatenate(out, axis=2)).reshape(n, sb * 110)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """``[N, K]`` fp32 (K a multiple of 256) -> Q2_K super-blocks, GGUF's byte layout (see
+    ``torch_engine.quant._from_q2_k``). Each 16 weights' range [min(x, 0), max(x)] spans the quants (0..3); the
+    super-block's fp16 ``d`` / ``dmin`` map the largest scale / minimum to 15, each rounds to 4 bits of it, and the
+    quants round to nearest under the final scale and minimum."""
+    n, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q2_K needs a multiple of 256 columns, got {k}")
+    sb = k // 256
+    sub = w.astype(np.float32).reshape(n * sb, 16, 16)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale, offset = (sub.max(axis=2) - lo) / 3, -lo
+    d = (scale.max(axis=1, keepdims=True) / 15).astype(np.float16)
+    dmin = (offset.max(axis=1, keepdims=True) / 15).astype(np.float16)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, 15).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, 15).astype(np.uint8)
+    step = (d.astype(np.float32) * sc)[:, :, None]
+    shift = (dmin.astype(np.float32) * mn)[:, :, None]
+    q = np.clip(np.round((sub + shift) / np.where(step == 0, 1, step)), 0, 3).astype(np.uint8)  # [S, 16, 16]
+    two = q.reshape(n * sb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)  # 128 h + 32 s + i
+    parts = [sc | (mn << 4), two.sum(axis=2, dtype=np.uint8).reshape(n * sb, 64), d.view(np.uint8),
+             dmin.view(np.uint8)]  # fmt: skip
+    return np.ascontiguousarray(np.concatenate(parts, axis=1)).reshape(n, sb * 84)
 
 
 def _target(name: str, ck: Checkpoint, kind: QuantKind) -> QuantKind | None:

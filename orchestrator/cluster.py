@@ -138,15 +138,17 @@ class ClusterConfig(_Frozen):
     dtype: DType = Field(default=DType.FLOAT32, description="dtype the engines are built (stored) in")
     weights: WeightStorage = Field(
         default=WeightStorage.AS_STORED,
-        description="as-stored: a GGUF's Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K tensors "
-        "stay "
+        description="as-stored: a GGUF's Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K / Q2_K "
+        "tensors stay "
         "quantized (the CPU engines compute with them); dense: every weight dequantised to `dtype`",
     )
-    quantize: Literal["q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_nl", "q3_k"] | None = Field(
+    quantize: (
+        Literal["q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_nl", "q3_k", "q2_k"] | None
+    ) = Field(
         default=None,
-        description="Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K: the dense GEMM weights "
-        "left (an HF checkpoint's, a GGUF's F16) quantized to that block format at build time (embedding and lm_head "
-        "Q8_0)",
+        description="Q8_0 / Q6_K / Q5_K / Q5_1 / Q5_0 / Q4_K / Q4_1 / Q4_0 / IQ4_NL / Q3_K / Q2_K: the dense GEMM "
+        "weights left (an HF checkpoint's, a GGUF's F16) quantized to that block format at build time (embedding and "
+        "lm_head Q8_0)",
     )
     restart: RestartSpec = RestartSpec()
     run_dtype: DType | Literal["auto"] = Field(

@@ -1,12 +1,11 @@
 """A GGUF's K-quants kept as stored, other formats converted at build time (``builders/gguf_convert.py``).
 
-Reference: gguf's own dequantisation of the source blocks. Q3_K, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as stored
-(bit-equal), and IQ4_NL; IQ4_XS becomes IQ4_NL within its scales' fp16 rounding;
-the rest (Q2_K, the other IQ formats) are requantized to Q8_0, each weight within half its new block step. End to
-end: the embedded SmolLM2 file rewritten with its FFN-down tensors in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer, as
-llama.cpp's mixes hold them), its q, k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate,
-up in Q5_1 (a Q5_K_M's fallback) builds packed, and the engine on it decodes as on gguf's dequantisation of the same
-file.
+Reference: gguf's own dequantisation of the source blocks. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are kept as
+stored (bit-equal), and IQ4_NL; IQ4_XS becomes IQ4_NL within its scales' fp16 rounding; the rest (the other IQ formats)
+are requantized to Q8_0, each weight within half its new block step. End to end: the embedded SmolLM2 file rewritten
+with its FFN-down tensors in Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL and Q2_K (by layer, as llama.cpp's mixes hold them), its q,
+k, v in Q5_0 (as Q4_K_M does for rows that are not a multiple of 256) and its gate, up in Q5_1 (a Q5_K_M's fallback)
+builds packed, and the engine on it decodes as on gguf's dequantisation of the same file.
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ T = GGMLQuantizationType
 def _random_k_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
     """Random blocks of a K-quant or an IQ4 format (every bit pattern is a valid block) with small fp16 scales."""
     weights, size = {T.Q2_K: (256, 84), T.Q3_K: (256, 110), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
-                     T.Q6_K: (256, 210), T.IQ4_NL: (32, 18), T.IQ4_XS: (256, 136)}[qtype]  # fmt: skip
+                     T.Q6_K: (256, 210), T.IQ4_NL: (32, 18), T.IQ4_XS: (256, 136),
+                     T.IQ3_XXS: (256, 98)}[qtype]  # fmt: skip
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // weights, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 1e-2, size=(n * k // weights, 2)).astype(np.float16).view(np.uint8)
@@ -49,7 +49,7 @@ def _random_k_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> 
         blocks[:, size - 2 : size] = scales[:, 0:2]  # d comes last
     elif qtype is T.Q2_K:
         blocks[:, size - 4 : size] = scales  # d, dmin last
-    elif qtype in (T.IQ4_NL, T.IQ4_XS):
+    elif qtype in (T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS):
         blocks[:, 0:2] = scales[:, 0:2]  # d first
     else:
         blocks[:, 0:4] = scales  # d, dmin
@@ -60,17 +60,17 @@ def _reference(raw: np.ndarray, qtype: GGMLQuantizationType, n: int, k: int) -> 
     return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k).copy())
 
 
-@pytest.mark.parametrize("kind", [QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K])
+@pytest.mark.parametrize("kind", [QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q2_K])
 def test_the_k_quant_encoders_write_what_gguf_reads_back(kind: QuantKind) -> None:
-    """``quantize_k4`` / ``quantize_q6_k`` (``--weights q4_k | q5_k | q6_k``; gguf's Python package reads the K-quants
-    but cannot write them): gguf dequantises their blocks to within a step of the source."""
+    """``quantize_k4`` / ``quantize_q6_k`` / ``quantize_q2_k`` (``--weights q4_k | q5_k | q6_k | q2_k``; gguf's Python
+    package reads the K-quants but cannot write them): gguf dequantises their blocks to within a step of the source."""
     x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
     back = _reference(quantize_blocks(x, kind), T(int(kind)), 8, 512).numpy()
-    levels = {QuantKind.Q4_K: 15, QuantKind.Q5_K: 31, QuantKind.Q6_K: 63}[kind]
+    levels = {QuantKind.Q4_K: 15, QuantKind.Q5_K: 31, QuantKind.Q6_K: 63, QuantKind.Q2_K: 3}[kind]
     assert np.abs(back - x).max() < 0.05 * 8 / levels  # within one step of a +-4 sigma range
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K])
+@pytest.mark.parametrize("qtype", [T.IQ3_XXS])
 def test_other_formats_become_q8_0_within_half_a_new_step(qtype: GGMLQuantizationType) -> None:
     n, k = 16, 512
     raw = _random_k_blocks(qtype, n, k, seed=3)
@@ -135,15 +135,17 @@ def test_an_iq4_xs_scale_fp16_cannot_hold_is_a_build_error_naming_the_tensor() -
 
 
 def test_dense_and_kept_formats_are_not_converted() -> None:
-    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL, T.Q3_K)
+    kept = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q5_1, T.Q5_0, T.Q4_K, T.Q4_1, T.Q4_0, T.IQ4_NL, T.Q3_K,
+            T.Q2_K)  # fmt: skip
     assert not any(converts(t) for t in kept)
 
 
 @pytest.mark.parametrize(
-    ("qtype", "bits"), [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625), (T.IQ4_NL, 4.5), (T.Q3_K, 3.5625)]
+    ("qtype", "bits"),
+    [(T.Q4_K, 4.625), (T.Q5_K, 5.625), (T.Q6_K, 6.5625), (T.IQ4_NL, 4.5), (T.Q3_K, 3.5625), (T.Q2_K, 2.625)],
 )
 def test_the_k_quants_and_iq4_nl_are_kept_as_stored(qtype: GGMLQuantizationType, bits: float) -> None:
-    """Any Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every 6-bit scale and minimum,
+    """Any Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every scale and minimum,
     Q6_K's int8 scales down to -128) imports as stored, at the file's bits a weight (Q3_K / Q4_K / Q5_K: their 6-bit
     scales and minimums a byte each, 0.125 bits a weight more), and dequantises bit-equal to gguf."""
     from types import SimpleNamespace
@@ -174,11 +176,11 @@ def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Pa
             _tensor(tmp_path / "x.gguf", t, packed, QuantReport())
 
 
-_DOWN = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL)  # FFN-down's format in layer l: _DOWN[l % 5]
+_DOWN = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_NL, T.Q2_K)  # FFN-down's format in layer l: _DOWN[l % 6]
 
 
 def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
-    """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K, Q6_K, Q3_K and IQ4_NL (by layer,
+    """The embedded file with its FFN-down weights (1536 columns) in Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL and Q2_K (by layer,
     ``_DOWN``; llama.cpp's encodings, by ``quantize_blocks``), its q, k, v (576 columns, not
     a multiple of 256) in Q5_0 and its gate, up in Q5_1; everything else as it was (Q4_1, the embedding Q8_0)."""
 
@@ -189,7 +191,7 @@ def _rewrite_as_k_quants(src: Path, dst: Path) -> None:
         shape = [int(v) for v in reversed(t.shape)]  # [N, K]
         dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if t.name.endswith("ffn_down.weight"):
-            qtype = _DOWN[int(t.name.split(".")[1]) % 5]
+            qtype = _DOWN[int(t.name.split(".")[1]) % len(_DOWN)]
             return quantize_blocks(dense, QuantKind(int(qtype))), qtype
         kind = QuantKind.Q5_1 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else QuantKind.Q5_0
         return quantize_blocks(dense, kind), T(int(kind))
@@ -326,7 +328,7 @@ def test_fused_groups_with_iq4_nl() -> None:
 
 @pytest.mark.e2e
 def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_path: Path) -> None:
-    """As stored, the Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, Q5_0 and Q5_1 tensors stay; the engine's
+    """As stored, the Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, Q2_K, Q5_0 and Q5_1 tensors stay; the engine's
     reference
     path on that build gives the same next-token distributions as on the dense build of the same file (gguf's
     dequantisation: the packed weights dequantise bit-equal to it), and the fast path (integer kernels, the
@@ -335,9 +337,9 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
     _rewrite_as_k_quants(smollm2_gguf(), src)
     ck = load_gguf(src)
     kinds = [QuantKind(int(t)) for t in _DOWN]
-    for layer in range(5, 10):
+    for layer in range(6, 12):
         down = ck.tensors[f"model.layers.{layer}.mlp.down_proj.weight"]
-        assert isinstance(down, Packed) and down.kind is kinds[layer % 5]
+        assert isinstance(down, Packed) and down.kind is kinds[layer % len(_DOWN)]
     q = ck.tensors["model.layers.3.self_attn.q_proj.weight"]
     assert isinstance(q, Packed) and q.kind is QuantKind.Q5_0
     up = ck.tensors["model.layers.3.mlp.up_proj.weight"]
@@ -363,5 +365,5 @@ def test_a_k_quant_file_builds_packed_and_decodes_as_its_dequantised_form(tmp_pa
         assert top1_agreement(a, b) == 1.0
     fast = LLMEngine(EngineConfig(engine_dir=stored, num_pages=64, fast_cpu=True), load_tokenizer=False)
     path = fast.kernel_path
-    assert "iq4_nl+q3_k+q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in path and "fused-step" in path
+    assert "iq4_nl+q2_k+q3_k+q4_1+q4_k+q5_0+q5_1+q5_k+q6_k+q8_0-int8" in path and "fused-step" in path
     assert len(fast.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8

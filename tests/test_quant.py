@@ -317,7 +317,16 @@ def test_the_same_values_in_two_formats_compute_the_same(
 
 @pytest.mark.parametrize(
     "kind",
-    [QuantKind.Q5_0, QuantKind.Q5_1, QuantKind.Q5_K, QuantKind.Q6_K, QuantKind.Q4_K, QuantKind.IQ4_NL, QuantKind.Q3_K],
+    [
+        QuantKind.Q5_0,
+        QuantKind.Q5_1,
+        QuantKind.Q5_K,
+        QuantKind.Q6_K,
+        QuantKind.Q4_K,
+        QuantKind.IQ4_NL,
+        QuantKind.Q3_K,
+        QuantKind.Q2_K,
+    ],
 )
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their

@@ -2,23 +2,25 @@
 and the row / column cuts the builder's TP sharding needs.
 
 A ``Packed`` weight of shape ``[N, K]`` is quantized in blocks of 32 along K, as llama.cpp's ``Q8_0``, ``Q6_K``,
-``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0``, ``Q4_1``, ``IQ4_NL`` and ``Q3_K`` are, but stored as separate
-arrays (one sequential stream each for the kernels, and plain tensors for safetensors):
+``Q5_K``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q4_0``, ``Q4_1``, ``IQ4_NL``, ``Q3_K`` and ``Q2_K`` are, but stored as
+separate arrays (one sequential stream each for the kernels, and plain tensors for safetensors):
 
 - ``qs``: the quants, ``[N, K]`` int8 (Q8_0) or ``[N, K / 2]`` uint8 (the others' low 4 bits: byte j of a block
   holds element j's in its low nibble and element j + 16's in its high one, Q4 / Q5's GGUF order); Q3_K: their low
-  2 bits, ``[N, K / 4]`` (byte j of a block's 8 holds elements j, j + 8, j + 16, j + 24 at bits 0, 2, 4, 6);
+  2 bits, ``[N, K / 4]`` (byte j of a block's 8 holds elements j, j + 8, j + 16, j + 24 at bits 0, 2, 4, 6); Q2_K:
+  its 2-bit quants, likewise;
 - ``d``: each block's scale, ``[N, K / 32]`` float16 (Q6_K, Q3_K: each super-block of 256's, ``[N, K / 256]``;
-  Q4_K and Q5_K: each super-block's scale and minimum's scale, ``d`` then ``dmin``, ``[N, K / 128]``);
+  Q4_K, Q5_K and Q2_K: each super-block's scale and minimum's scale, ``d`` then ``dmin``, ``[N, K / 128]``);
 - ``m``: each block's minimum, ``[N, K / 32]`` float16 (Q4_1 and Q5_1); Q6_K and Q3_K: their sub-block scales, one
   per 16 weights, ``[N, K / 16]`` int8; Q4_K and Q5_K: each block's 6-bit scale and minimum, ``[N, K / 16]`` uint8;
+  Q2_K: each 16 weights' 4-bit scale (low nibble) and minimum (high), ``[N, K / 16]`` uint8, as the file holds them;
 - ``h``: the bits above the low 4 (Q3_K: the low 2), ``[N, K / 8]`` uint8 for Q5_0, Q5_1, Q5_K and Q3_K (a block's 4
   bytes, bit e of them element e's 5th (Q3_K: 3rd), GGUF's little-endian ``qh``), ``[N, K / 4]`` for Q6_K (a
   block's 8 bytes, bits 2e and 2e + 1 element e's 5th and 6th).
 
 Element values: Q8_0 ``d * q``, Q6_K ``(d * sc) * (q - 32)``, Q3_K ``(d * sc) * (q - 4)``, Q5_0 ``d * (q - 16)``,
 Q4_0 ``d * (q - 8)``, IQ4_NL ``d * IQ4_NL_VALUES[q]`` (a non-uniform int8 table; Q4_0's layout otherwise), Q4_1 and
-Q5_1 ``d * q + m``, Q4_K and Q5_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as
+Q5_1 ``d * q + m``, Q4_K, Q5_K and Q2_K ``(d * sc) * q - dmin * mn``, computed in fp32 exactly as
 ``gguf.quants.dequantize`` does (``dequantize`` here is bit-equal to it; the tests check).
 
 The engine's fast CPU path computes with a ``Grouped`` copy (``group``, at load): the same quants
@@ -54,6 +56,7 @@ class QuantKind(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
     Q3_K = 11
     Q4_K = 12
     Q5_K = 13
@@ -63,7 +66,8 @@ class QuantKind(enum.IntEnum):
     @property
     def block_weights(self) -> int:
         """Weights of one GGUF block (the K-quants: a super-block of 256), the finest cut along K."""
-        return 256 if self in (QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K) else BLOCK
+        k_quants = (QuantKind.Q2_K, QuantKind.Q3_K, QuantKind.Q4_K, QuantKind.Q5_K, QuantKind.Q6_K)
+        return 256 if self in k_quants else BLOCK
 
     @property
     def two_level(self) -> bool:
@@ -73,7 +77,7 @@ class QuantKind(enum.IntEnum):
     @property
     def d_weights(self) -> int:
         """Weights along K per column of ``Packed.d``."""
-        return 256 if self.sub_scales else (128 if self.two_level else BLOCK)
+        return 256 if self.sub_scales else (128 if self.two_level or self is QuantKind.Q2_K else BLOCK)
 
     @property
     def sub_scales(self) -> bool:
@@ -82,8 +86,8 @@ class QuantKind(enum.IntEnum):
 
     @property
     def low_bits(self) -> int:
-        """Bits per weight in ``Packed.qs``: Q8_0 8, Q3_K 2, the others 4."""
-        return {QuantKind.Q8_0: 8, QuantKind.Q3_K: 2}.get(self, 4)
+        """Bits per weight in ``Packed.qs``: Q8_0 8, Q3_K and Q2_K 2, the others 4."""
+        return {QuantKind.Q8_0: 8, QuantKind.Q3_K: 2, QuantKind.Q2_K: 2}.get(self, 4)
 
     @property
     def block_bytes(self) -> int:
@@ -91,6 +95,7 @@ class QuantKind(enum.IntEnum):
         return {
             QuantKind.Q4_0: 18, QuantKind.Q4_1: 20, QuantKind.Q5_0: 22, QuantKind.Q5_1: 24, QuantKind.Q8_0: 34,
             QuantKind.Q4_K: 144, QuantKind.Q5_K: 176, QuantKind.Q6_K: 210, QuantKind.IQ4_NL: 18, QuantKind.Q3_K: 110,
+            QuantKind.Q2_K: 84,
         }[self]  # fmt: skip
 
     @property
@@ -101,7 +106,7 @@ class QuantKind(enum.IntEnum):
     def has_m(self) -> bool:
         """Whether ``Packed.m`` is stored: the minimums, Q6_K / Q3_K's sub-block scales, Q4_K / Q5_K's scales and
         minimums."""
-        return self.has_min or self.sub_scales
+        return self.has_min or self.sub_scales or self is QuantKind.Q2_K
 
     @property
     def high_bits(self) -> int:
@@ -153,14 +158,15 @@ class Packed:
                 f"not [{start}, {start + length})"
             )
         per_q = 8 // self.kind.low_bits
-        paired = self.kind.sub_scales or self.kind.two_level  # m: a byte each half block / two a block
+        paired = self.kind.sub_scales or self.kind.two_level or self.kind is QuantKind.Q2_K  # m: a byte each 16
+        per_m = 16 if paired else BLOCK
 
         def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
             return None if t is None else t[:, start // per : (start + length) // per].clone()
 
         qs, d = cut(self.qs, per_q), cut(self.d, self.kind.d_weights)
         assert qs is not None and d is not None
-        m, h = cut(self.m, 16 if paired else BLOCK), cut(self.h, 8 // max(self.kind.high_bits, 1))
+        m, h = cut(self.m, per_m), cut(self.h, 8 // max(self.kind.high_bits, 1))
         return Packed(self.kind, qs, d, m, h)
 
     def contiguous(self) -> Packed:
@@ -176,6 +182,13 @@ class Packed:
             offset = 32 if self.kind is QuantKind.Q6_K else 4
             q = (self.quants().to(torch.int16) - offset).float().reshape(n, k // 16, 16)
             return (scale.reshape(n, k // 16, 1) * q).reshape(n, k).to(dtype)
+        if self.kind is QuantKind.Q2_K:  # as gguf: (d * sc) * q - dmin * mn, per 16 weights
+            assert self.m is not None
+            ds = self.d.float().reshape(n, k // 256, 2, 1)
+            sm = self.m.reshape(n, k // 256, 16)
+            scale, minimum = ds[:, :, 0] * (sm & 0x0F).float(), ds[:, :, 1] * (sm >> 4).float()  # [n, k / 256, 16]
+            q = self.quants().float().reshape(n, k // 16, 16)
+            return (scale.reshape(n, k // 16, 1) * q - minimum.reshape(n, k // 16, 1)).reshape(n, k).to(dtype)
         if self.kind.two_level:  # as gguf: (d * sc) * q - dmin * mn
             assert self.m is not None
             ds = self.d.float().reshape(n, k // 256, 2)
@@ -239,6 +252,8 @@ def from_gguf_blocks(kind: QuantKind, raw: np.ndarray, shape: tuple[int, int]) -
         return _from_q6_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 210), n, k)
     if kind is QuantKind.Q3_K:
         return _from_q3_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 110), n, k)
+    if kind is QuantKind.Q2_K:
+        return _from_q2_k(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, 84), n, k)
     if kind.two_level:
         return _from_k4(kind, np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, kind.block_bytes), n, k)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, kind.block_bytes)
@@ -314,6 +329,24 @@ def q3_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
         torch.from_numpy(np.ascontiguousarray(d)),
         torch.from_numpy(np.ascontiguousarray(sc)),
         torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 4)),
+    )
+
+
+def _from_q2_k(blocks: np.ndarray, n: int, k: int) -> Packed:
+    """Q2_K super-blocks ``[N, K / 256, 84]`` (16 bytes: each 16 weights' 4-bit scale (low nibble) and minimum
+    (high); qs: 64 bytes, byte 32 h + i holds elements 128 h + 32 s + i at bits 2 s; d; dmin) -> the packed form."""
+    sb = blocks.shape[1]
+    scales, qs = blocks[:, :, 0:16], blocks[:, :, 16:80]
+    two = (qs.reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    crumbs = (two.reshape(n, k // 32, 4, 8) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).sum(
+        axis=2, dtype=np.uint8
+    )  # byte j of a block: elements j + 8 t at bits 2 t
+    d = blocks[:, :, 80:84].copy().view(np.float16).reshape(n, sb * 2)  # d, dmin per super-block
+    return Packed(
+        QuantKind.Q2_K,
+        torch.from_numpy(np.ascontiguousarray(crumbs).reshape(n, k // 4)),
+        torch.from_numpy(d),
+        torch.from_numpy(np.ascontiguousarray(scales).reshape(n, k // 16)),
     )
 
 

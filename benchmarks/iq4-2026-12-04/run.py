@@ -12,9 +12,6 @@ Run from the repository root: ``.venv/bin/python benchmarks/iq4-2026-12-04/run.p
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +19,8 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize, quantize
 
-from bench.ab import compare_files
+from bench.ab import main_files
 from bench.gguf_rewrite import rewrite
-from torch_engine.cpu import cpu_info
 
 ROOT = Path("/tmp/iq4")
 T = GGMLQuantizationType
@@ -43,19 +39,5 @@ def as_before(src: Path, dst: Path) -> int:
     return rewrite(src, dst, convert)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
-    p.add_argument("--files", nargs="+", default=["IQ4_XS", "Q3_K_S"])
-    p.add_argument("out", type=Path)
-    a = p.parse_args()
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    result: dict[str, object] = {"cpu": cpu_info().as_dict(), "when": when}
-    for ftype in a.files:
-        result[ftype] = compare_files(ROOT, ftype, as_before, a.threads, a.batches)
-    a.out.write_text(json.dumps(result, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    main_files(ROOT, as_before, ["IQ4_XS", "Q3_K_S"])

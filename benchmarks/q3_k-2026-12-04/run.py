@@ -12,20 +12,16 @@ Run from the repository root: ``.venv/bin/python benchmarks/q3_k-2026-12-04/run.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
-from bench.ab import compare_files
+from bench.ab import main_files
 from bench.gguf_rewrite import rewrite
 from builders.gguf_convert import _as
 from builders.quantize import q6_k_blocks
-from torch_engine.cpu import cpu_info
 from torch_engine.quant import QuantKind, from_gguf_blocks
 
 ROOT = Path("/tmp/q3k")
@@ -46,19 +42,5 @@ def as_before(src: Path, dst: Path) -> int:
     return rewrite(src, dst, convert)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
-    p.add_argument("--files", nargs="+", default=["Q3_K_S", "Q3_K_M"])
-    p.add_argument("out", type=Path)
-    a = p.parse_args()
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    result: dict[str, object] = {"cpu": cpu_info().as_dict(), "when": when}
-    for ftype in a.files:
-        result[ftype] = compare_files(ROOT, ftype, as_before, a.threads, a.batches)
-    a.out.write_text(json.dumps(result, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    main_files(ROOT, as_before, ["Q3_K_S", "Q3_K_M"])

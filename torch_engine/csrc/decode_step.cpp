@@ -233,7 +233,7 @@ class FusedDecoder {
     l.keep = {qs, d};
     if (disagg_q::has_min(l.w.kind) || disagg_q::sub_scales(l.w.kind)) {
       TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == l.w.groups() * l.w.NB() * 32,
-                  "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K [groups, K/32, 32] int8");
+                  "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K / Q2_K [groups, K/32, 32] bytes");
       l.w.m = static_cast<const uint16_t*>(m.data_ptr());
       l.keep.push_back(m);
     }

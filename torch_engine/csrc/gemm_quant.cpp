@@ -23,6 +23,7 @@
 namespace {
 
 using disagg_q::BLOCK;
+using disagg_q::Q2_K;
 using disagg_q::Q3_K;
 using disagg_q::Q4_0;
 using disagg_q::Q5_0;
@@ -66,18 +67,19 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
   TORCH_CHECK(d.scalar_type() == torch::kHalf && d.dim() == 2 && d.is_contiguous(),
               "d must be [N, K/32] (Q6_K / Q3_K: [N, K/256]; Q4_K / Q5_K: [N, K/128]) fp16");
   const int64_t N = d.size(0), K = d.size(1) * span, NB = K / BLOCK, ND = d.size(1), G = (N + 15) / 16;
-  const bool six = k == Q6_K, three = k == Q3_K, paired = disagg_q::sub_scales(k) || disagg_q::two_level(k);
-  const bool with_min = disagg_q::has_min(k) && !paired;  // (paired: m is two bytes a block)
+  const bool six = k == Q6_K, three = k == Q3_K, crumbs = three || k == Q2_K;
+  const bool paired = disagg_q::sub_scales(k) || disagg_q::two_level(k);  // m: two bytes a block
+  const bool with_min = disagg_q::has_min(k) && !paired;
   const int planes = three ? 1 : disagg_q::high_planes(k);
-  const int64_t row_bytes = kind == Q8_0 ? K : (three ? K / 4 : K / 2);
+  const int64_t row_bytes = kind == Q8_0 ? K : (crumbs ? K / 4 : K / 2);
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == N * row_bytes, "qs does not fit d");
   if (with_min)
     TORCH_CHECK(m.defined() && m.scalar_type() == torch::kHalf && m.is_contiguous() && m.numel() == N * NB,
                 "Q4_1 / Q5_1 need m [N, K/32] fp16");
   if (paired)
     TORCH_CHECK(m.defined() && m.element_size() == 1 && m.is_contiguous() && m.numel() == N * K / 16,
-                "Q6_K / Q3_K need their sub-block scales m [N, K/16] int8, Q4_K / Q5_K their scales and minimums "
-                "(uint8)");
+                "Q6_K / Q3_K need their sub-block scales m [N, K/16] int8, Q4_K / Q5_K / Q2_K their scales and "
+                "minimums (uint8)");
   if (planes > 0)
     TORCH_CHECK(h.defined() && h.element_size() == 1 && h.is_contiguous() && h.numel() == N * K / 8 * planes,
                 "Q5_0 / Q5_1 / Q3_K need h [N, K/8], Q6_K h [N, K/4] (uint8)");
@@ -108,14 +110,15 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
           if (scout != nullptr)
             for (int64_t half = 0; half < 2; ++half)
               scout[(g * NB + b) * 32 + half * 16 + j] = scsrc[n * NB * 2 + 2 * b + half];
-          if (three) {  // element e's low 2 bits at bits 2 (e / 8) of byte e % 8, its 3rd at bit e of h's 4 bytes
-            const uint8_t* hb = hsrc + n * (K / 8) + b * 4;
+          if (crumbs) {  // element e's low 2 bits at bits 2 (e / 8) of byte e % 8; Q3_K's 3rd at bit e of h's 4 bytes
+            const uint8_t* hb = three ? hsrc + n * (K / 8) + b * 4 : nullptr;
             for (int64_t v = 0; v < 8; ++v)
               for (int64_t i = 0; i < 4; ++i) {
                 const int64_t e = 8 * (v / 2) + 4 * (v % 2) + i, jb = j * 4 + i;
                 const int low = (src[b * 8 + e % 8] >> (2 * (e / 8))) & 3;
                 blk[64 * (v / 4) + jb] |= static_cast<uint8_t>(low << (2 * (v % 4)));
-                if ((hb[e / 8] >> (e % 8)) & 1) blk[128 + 8 * v + jb / 8] |= static_cast<uint8_t>(1u << (jb % 8));
+                if (hb != nullptr && ((hb[e / 8] >> (e % 8)) & 1))
+                  blk[128 + 8 * v + jb / 8] |= static_cast<uint8_t>(1u << (jb % 8));
               }
           } else if (kind == Q8_0) {
             for (int64_t c = 0; c < 8; ++c)
@@ -242,7 +245,7 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
       for (int64_t c = 0; c < 8; ++c)
         for (int64_t i = 0; i < 4; ++i) o[4 * c + i] = d * static_cast<float>(static_cast<int8_t>(blk[c * 64 + j * 4 + i]));
     } else {  // as gguf: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 / Q5_1 d q + m, Q6_K (d sc) (q - 32),
-              // Q3_K (d sc) (q - 4), Q4_K / Q5_K (d sc) q - dmin mn, IQ4_NL d value[q]
+              // Q3_K (d sc) (q - 4), Q4_K / Q5_K / Q2_K (d sc) q - dmin mn, IQ4_NL d value[q]
       const bool with_min = disagg_q::has_min(w.kind);
       float scale = d, mn = 0.0f;
       if (disagg_q::two_level(w.kind)) {
@@ -257,6 +260,12 @@ void dequant_row(const disagg_q::Q16& w, int64_t n, float* out) {
           w.kind == Q4_0 ? -8 : (w.kind == Q5_0 ? -16 : (w.kind == Q6_K ? -32 : (w.kind == Q3_K ? -4 : 0)));
       const int8_t* sc = reinterpret_cast<const int8_t*>(w.m) + (g * NB + b) * 32 + j;  // Q6_K / Q3_K only
       auto value = [&](int q, int64_t e) {
+        if (w.kind == Q2_K) {  // the half's byte: scale (low nibble), minimum (high)
+          const auto byte = static_cast<uint8_t>(sc[e < 16 ? 0 : 16]);
+          const int64_t di = (g * w.d_blocks() + disagg_q::d_entry(w.kind, b)) * 16 + j;
+          const float dmin = disagg_q::fp16_to_float(w.d[di + 16]);
+          return (d * static_cast<float>(byte & 0x0F)) * static_cast<float>(q) - dmin * static_cast<float>(byte >> 4);
+        }
         if (disagg_q::sub_scales(w.kind))
           return (d * static_cast<float>(sc[e < 16 ? 0 : 16])) * static_cast<float>(q + offset);
         if (w.kind == disagg_q::IQ4_NL) return d * static_cast<float>(disagg_q::IQ4_NL_VALUES[q]);

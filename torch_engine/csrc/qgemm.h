@@ -1,5 +1,5 @@
-// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 / IQ4_NL / Q3_K,
-// blocks of 32 along K) and activations quantized to int8 per 32-block, as llama.cpp computes:
+// Integer GEMM over block-quantized weights (Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 / IQ4_NL / Q3_K /
+// Q2_K, blocks of 32 along K) and activations quantized to int8 per 32-block, as llama.cpp computes:
 // y[r, n] = sum_b d_b(n) * dx_b(r) * sum_i q_i * xq_i (+ the format's offset term). Shared by gemm_quant.cpp
 // (the Python-facing GEMM) and decode_step.cpp (the fused decode step), so both compute bit-identical results.
 //
@@ -18,6 +18,9 @@
 //   Q3_K: 2 chunks of the low two bits (byte b of chunk u holds, at bits 2t, those of byte b of vector v = 4u + t,
 //       vectors as Q4's), then 8 64-bit words of the 3rd bits (as Q5's 5th); q in 0..7 stands for q - 4. Its
 //       scales as Q6_K's (d per 256, an int8 scale per 16).
+//   Q2_K: Q3_K's 2 chunks of crumbs alone; q in 0..3. Its d and dmin per 256 as Q4_K's, and as `m` each half block's
+//       byte as the file holds it, [group][block][2][16]: the 4-bit scale in its low nibble, the minimum in its high;
+//       a weight is (d * sc) * q - (dmin * mn), its integer sums taken per half block and weighted by sc in int32.
 //   Scales (and Q4_1 / Q5_1 minimums): [group][block][16] fp16. Rows past N (the last group's padding) are 0.
 //   Q4_K / Q5_K (Q4's / Q5's layout) keep GGUF's two-level scales: d [group][super-block of 256][d, dmin][16] fp16,
 //   and as `m` [group][block][scale, minimum][16] uint8 (6 bits each); a weight is (d * sc) * q - dmin * mn, the
@@ -79,12 +82,12 @@ inline void prefetch_block(const uint8_t* p) {
 // unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28), the source's scales and
 // minimums), which AVX-512 computes past 16 rows.
 enum Kind : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
   U8_MIN = 1007, U8_K5 = 1013, U8_Q6K = 1014
 };
 inline bool known_kind(int64_t k) {
   return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q4_K || k == Q5_K || k == Q6_K ||
-         k == IQ4_NL || k == Q3_K;
+         k == IQ4_NL || k == Q3_K || k == Q2_K;
 }
 // IQ4_NL's values (llama.cpp's kvalues_iq4nl): a weight is d times the one its nibble picks.
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -106,17 +109,20 @@ constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacke
 #endif
 }
 constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K; }  // a byte each
-constexpr bool sub_scales(Kind k) { return k == Q6_K || k == U8_Q6K || k == Q3_K; }  // an int8 scale per 16 weights
+constexpr bool sub_scales(Kind k) {  // a scale per 16 weights (int8; Q2_K: 4 bits, beside a 4-bit minimum)
+  return k == Q6_K || k == U8_Q6K || k == Q3_K || k == Q2_K;
+}
+constexpr bool has_dmin(Kind k) { return two_level(k) || k == Q2_K; }  // d, dmin per 256
 template <Kind KD>
-constexpr int32_t sub_offset() {  // where a sub-scaled half block's integer sum starts: -32 s (Q3_K: -4 s)
-  return KD == Q3_K ? -4 : -32;
+constexpr int32_t sub_offset() {  // where a sub-scaled half block's integer sum starts: -32 s (Q3_K: -4 s; Q2_K: 0)
+  return KD == Q3_K ? -4 : (KD == Q2_K ? 0 : -32);
 }
 constexpr int64_t bits_at(Kind k) { return k == Q3_K ? 128 : 256; }  // where a block's words of single bits start
 constexpr int64_t scale_span(Kind k) {  // weights along K per entry of d: 32; Q6_K one per 256; Q4_K / Q5_K two
-  return sub_scales(k) ? 256 : (two_level(k) ? 128 : 32);
+  return has_dmin(k) ? 128 : (sub_scales(k) ? 256 : 32);
 }
 constexpr int64_t d_entry(Kind k, int64_t b) {  // block b's entry of d (Q4_K / Q5_K: its super-block's d; dmin next)
-  return sub_scales(k) ? b / 8 : (two_level(k) ? b / 8 * 2 : b);
+  return has_dmin(k) ? b / 8 * 2 : (sub_scales(k) ? b / 8 : b);
 }
 
 inline const char* i8_path() {
@@ -167,7 +173,7 @@ struct Q16 {
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
   static constexpr int64_t block_bytes(Kind k) {
-    return byte_quants(k) ? 512 : (k == Q3_K ? 192 : 256 + 64 * high_planes(k));
+    return byte_quants(k) ? 512 : (k == Q3_K ? 192 : (k == Q2_K ? 128 : 256 + 64 * high_planes(k)));
   }
   int64_t d_blocks() const { return K / scale_span(kind); }  // entries of d per group and output
   int64_t group_bytes() const { return NB() * block_bytes(kind); }
@@ -258,6 +264,7 @@ inline int high_value(Kind k, const uint8_t* qb, int v, int jb) {
 
 // The unsigned quant of byte jb of a (not byte_quants) block's vector v, every bit of it.
 inline int quant_at(Kind k, const uint8_t* qb, int v, int jb) {
+  if (k == Q2_K) return (qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3;
   if (k == Q3_K)
     return ((qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) | static_cast<int>(((high_bits(qb, v, 128) >> jb) & 1) << 2);
   const uint8_t byte = qb[(v / 2) * 64 + jb];
@@ -285,9 +292,9 @@ inline void six_bits512(const uint8_t* qb, __m512i wv[8]) {
   }
 }
 
-// Q3_K: a block's 8 vectors of 3-bit quants (0..7) out of its 2 chunks of crumbs and its 3rd bits.
-inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
-  const __m512i two = _mm512_set1_epi8(0x03), b3 = _mm512_set1_epi8(0x04);
+// Q2_K: a block's 8 vectors of 2-bit quants out of its 2 chunks of crumbs.
+inline void two_bits512(const uint8_t* qb, __m512i wv[8]) {
+  const __m512i two = _mm512_set1_epi8(0x03);
   for (int u = 0; u < 2; ++u) {
     const __m512i c = _mm512_loadu_si512(qb + 64 * u);
     wv[4 * u] = _mm512_and_si512(c, two);
@@ -295,6 +302,12 @@ inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
     wv[4 * u + 2] = _mm512_and_si512(_mm512_srli_epi16(c, 4), two);
     wv[4 * u + 3] = _mm512_and_si512(_mm512_srli_epi16(c, 6), two);
   }
+}
+
+// Q3_K: a block's 8 vectors of 3-bit quants (0..7) out of its 2 chunks of crumbs and its 3rd bits.
+inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
+  const __m512i b3 = _mm512_set1_epi8(0x04);
+  two_bits512(qb, wv);
   for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, 128)), wv[v], b3);
 }
 
@@ -327,6 +340,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(qb + c * 64);
     } else if constexpr (KD == Q3_K) {
       three_bits512(qb, wv);
+    } else if constexpr (KD == Q2_K) {
+      two_bits512(qb, wv);
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(qb + c * 64);
@@ -343,7 +358,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     if (scale_span(KD) == BLOCK || b % 8 == 0) {  // a super-block's d (and dmin) once for its 8 blocks
       const uint16_t* db = dg + d_entry(KD, b) * GROUP;
       dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db)));
-      if constexpr (two_level(KD))
+      if constexpr (has_dmin(KD))
         dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + GROUP)));
     }
     __m512 dv = dsup, mv = _mm512_setzero_ps();
@@ -355,7 +370,17 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     }
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();  // Q6_K: the halves' sub-block scales
-    if constexpr (sub_scales(KD)) {
+    __m512 mlo = _mm512_setzero_ps(), mhi = _mm512_setzero_ps();         // Q2_K: the halves' dmin * mn
+    if constexpr (KD == Q2_K) {  // each half's byte: the scale in the low nibble, the minimum in the high one
+      const __m512i ka = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
+      const __m512i kb =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
+      const __m512i low4_32 = _mm512_set1_epi32(0x0F);
+      sa = _mm512_and_si512(ka, low4_32);
+      sb = _mm512_and_si512(kb, low4_32);
+      mlo = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(ka, 4)));
+      mhi = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(kb, 4)));
+    } else if constexpr (sub_scales(KD)) {
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
@@ -389,6 +414,11 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
       if constexpr (two_level(KD))  // - (dmin mn) dxs in one rounding: as fmadd with -(dmin mn), bit for bit
         acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      else if constexpr (KD == Q2_K) {  // - (dmin mn) dx s per half
+        const int32_t slo = x.slo[row * NB + b];
+        acc[r] = _mm512_fnmadd_ps(mlo, _mm512_set1_ps(dx * static_cast<float>(slo)), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(mhi, _mm512_set1_ps(dx * static_cast<float>(s - slo)), acc[r]);
+      }
       else if constexpr (has_min(KD))
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
     }
@@ -508,13 +538,15 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
         w5[4 * u + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
                                         _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
       }
-    } else if constexpr (KD == Q3_K) {  // this half's crumbs and 3rd bits (see three_bits512)
+    } else if constexpr (KD == Q3_K || KD == Q2_K) {  // this half's crumbs (and Q3_K's 3rd bits: three_bits512)
       const __m256i two = _mm256_set1_epi8(0x03);
       for (int u = 0; u < 2; ++u) {
         const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * u));
-        for (int t = 0; t < 4; ++t)
-          w5[4 * u + t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two),
-                                          fifth_bits(half_bits(qb, 4 * u + t, h, 128), 0x04));
+        for (int t = 0; t < 4; ++t) {
+          w5[4 * u + t] = _mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two);
+          if constexpr (KD == Q3_K)
+            w5[4 * u + t] = _mm256_or_si256(w5[4 * u + t], fifth_bits(half_bits(qb, 4 * u + t, h, 128), 0x04));
+        }
       }
     } else if constexpr (has_high(KD)) {
       for (int c = 0; c < 4; ++c) {
@@ -529,7 +561,17 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       for (int c = 0; c < 8; ++c)
         wa[c] = _mm256_abs_epi8(KD == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64)) : w5[c]);
     __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K / Q3_K: the halves' sub-block scales
-    if constexpr (sub_scales(KD)) {
+    __m256 mlo = _mm256_setzero_ps(), mhi = _mm256_setzero_ps();         // Q2_K: the halves' dmin * mn
+    if constexpr (KD == Q2_K) {  // each half's byte: the scale in the low nibble, the minimum in the high one
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + GROUP)));
+      const __m256i ka = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
+      const __m256i kb =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
+      sa = _mm256_and_si256(ka, _mm256_set1_epi32(0x0F));
+      sb = _mm256_and_si256(kb, _mm256_set1_epi32(0x0F));
+      mlo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(ka, 4)));
+      mhi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(kb, 4)));
+    } else if constexpr (sub_scales(KD)) {
       sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
@@ -583,6 +625,11 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (has_min(KD)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
+      if constexpr (KD == Q2_K) {  // - (dmin mn) dx s per half
+        const int32_t s = x.s[row * NB + b], slo = x.slo[row * NB + b];
+        acc[r] = _mm256_fnmadd_ps(mlo, _mm256_set1_ps(dx * static_cast<float>(slo)), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(mhi, _mm256_set1_ps(dx * static_cast<float>(s - slo)), acc[r]);
+      }
     }
   }
 }
@@ -643,10 +690,15 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     for (int64_t j = 0; j < GROUP; ++j) {
       const int64_t di = (g * w.d_blocks() + d_entry(KD, b)) * GROUP + j;
       float d = fp16_to_float(w.d[di]), mn = 0.0f;
+      float mlo = 0.0f, mhi = 0.0f;  // Q2_K: the halves' dmin * mn
       if constexpr (two_level(KD)) {
         const uint8_t* k8 = reinterpret_cast<const uint8_t*>(w.m) + (g * NB + b) * 2 * GROUP;
         mn = -(fp16_to_float(w.d[di + GROUP]) * static_cast<float>(k8[GROUP + j]));
         d *= static_cast<float>(k8[j]);
+      } else if constexpr (KD == Q2_K) {
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(w.m) + (g * NB + b) * 2 * GROUP;
+        mlo = fp16_to_float(w.d[di + GROUP]) * static_cast<float>(k8[j] >> 4);
+        mhi = fp16_to_float(w.d[di + GROUP]) * static_cast<float>(k8[GROUP + j] >> 4);
       } else if constexpr (has_min(KD)) {
         mn = fp16_to_float(w.m[(g * NB + b) * GROUP + j]);
       }
@@ -669,12 +721,19 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
               else
                 dot += lo * xq[8 * c + i] + hi * xq[8 * c + 4 + i];
             }
-          if constexpr (sub_scales(KD)) dot = halves[0] * sc[j] + halves[1] * sc[GROUP + j];
+          if constexpr (KD == Q2_K)
+            dot = halves[0] * (sc[j] & 0x0F) + halves[1] * (sc[GROUP + j] & 0x0F);
+          else if constexpr (sub_scales(KD))
+            dot = halves[0] * sc[j] + halves[1] * sc[GROUP + j];
         }
         dot += offset<KD>() * x.s[row * NB + b];
         const float dx = x.dx[row * NB + b];
         vals[r][j] += static_cast<float>(dot) * (d * dx);
         if constexpr (has_min(KD)) vals[r][j] += mn * x.dxs[row * NB + b];
+        if constexpr (KD == Q2_K) {
+          const int32_t slo = x.slo[row * NB + b];
+          vals[r][j] -= mlo * (dx * static_cast<float>(slo)) + mhi * (dx * static_cast<float>(x.s[row * NB + b] - slo));
+        }
       }
     }
   }
@@ -766,6 +825,7 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q5_K: groups_kind<Q5_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case IQ4_NL: groups_kind<IQ4_NL>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q3_K: groups_kind<Q3_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
+    case Q2_K: groups_kind<Q2_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case U8_MIN:
     case U8_K5:
     case U8_Q6K: break;  // never stored (groups_unpacked's copies)
