@@ -291,6 +291,7 @@ class FusedDecoder {
     torch::Tensor as = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
     torch::Tensor adxs = torch::empty({B * widest / BLOCK}, f32);
     torch::Tensor aslo = torch::empty({B * widest / BLOCK}, torch::TensorOptions().dtype(torch::kInt));
+    torch::Tensor adxlo = torch::empty({B * widest / BLOCK}, f32);
     const Weights held = weights_;
     torch::Tensor abf = torch::empty({held == Weights::BF16 ? B * widest : 0}, torch::TensorOptions().dtype(torch::kBFloat16));
     torch::Tensor af = torch::empty({held == Weights::F32 ? B * widest : 0}, f32);
@@ -303,6 +304,7 @@ class FusedDecoder {
     int32_t* sq = as.data_ptr<int32_t>();
     float* dxs = adxs.data_ptr<float>();
     int32_t* slo = aslo.data_ptr<int32_t>();
+    float* dxlo = adxlo.data_ptr<float>();
     at::BFloat16* xb = abf.data_ptr<at::BFloat16>();
     float* xf = af.data_ptr<float>();
     auto act = [&](int64_t K) {
@@ -312,6 +314,7 @@ class FusedDecoder {
       a.s = sq;
       a.dxs = dxs;
       a.slo = slo;
+      a.dxlo = dxlo;
       a.K = K;
       return a;
     };
@@ -324,7 +327,7 @@ class FusedDecoder {
       } else if (held == Weights::F32) {
         std::copy(src, src + BLOCK, xf + r * K + blk * BLOCK);
       } else {
-        disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k, slo + k);
+        disagg_q::quantize_block(src, q8 + r * K + blk * BLOCK, dx + k, sq + k, dxs + k, slo + k, dxlo + k);
       }
     };
     auto gemm = [&](const Lin& l, int64_t g0, int64_t g1, float* y, int64_t ldy, bool accumulate) {

@@ -156,7 +156,7 @@ std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Ten
 }
 
 struct QuantizedAct {
-  torch::Tensor q, dx, s, dxs, slo;
+  torch::Tensor q, dx, s, dxs, slo, dxlo;
   disagg_q::ActQ8 view() const {
     disagg_q::ActQ8 a;
     a.q = q.data_ptr<int8_t>();
@@ -164,6 +164,7 @@ struct QuantizedAct {
     a.s = s.data_ptr<int32_t>();
     a.dxs = dxs.data_ptr<float>();
     a.slo = slo.data_ptr<int32_t>();
+    a.dxlo = dxlo.data_ptr<float>();
     a.K = q.size(1);
     return a;
   }
@@ -177,15 +178,17 @@ QuantizedAct quantize(const torch::Tensor& x) {
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
-                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt))};
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt)),
+                 torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat))};
   const float* xp = xf.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* dx = a.dx.data_ptr<float>();
   int32_t* s = a.s.data_ptr<int32_t>();
   float* dxs = a.dxs.data_ptr<float>();
   int32_t* slo = a.slo.data_ptr<int32_t>();
+  float* dxlo = a.dxlo.data_ptr<float>();
   at::parallel_for(0, R, 4,
-                   [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo); });
+                   [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo, dxlo); });
   return a;
 }
 

@@ -78,12 +78,12 @@ template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
-// GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K, never stored: a Q5_1 / Q5_K / Q6_K (or Q3_K) group unpacked to one
-// unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28), the source's scales and
-// minimums), which AVX-512 computes past 16 rows.
+// GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K / U8_Q2K, never stored: a Q5_1 / Q5_K / Q6_K (or Q3_K) / Q2_K group
+// unpacked to one unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28; Q2_K's times
+// their 4-bit scale), the source's scales and minimums), which AVX-512 computes past 16 rows.
 enum Kind : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
-  U8_MIN = 1007, U8_K5 = 1013, U8_Q6K = 1014
+  U8_MIN = 1007, U8_Q2K = 1010, U8_K5 = 1013, U8_Q6K = 1014
 };
 inline bool known_kind(int64_t k) {
   return k == Q4_0 || k == Q4_1 || k == Q5_0 || k == Q5_1 || k == Q8_0 || k == Q4_K || k == Q5_K || k == Q6_K ||
@@ -100,7 +100,7 @@ constexpr int high_planes(Kind k) {  // bits a weight above the nibble: Q5's 5th
 constexpr bool has_high(Kind k) { return high_planes(k) > 0; }
 constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacked first (groups_unpacked)
 #if defined(DISAGG_I8_AVX512)
-  return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K || k == IQ4_NL || k == Q3_K;
+  return k == Q5_0 || k == Q5_1 || k == Q5_K || k == Q6_K || k == IQ4_NL || k == Q3_K || k == Q2_K;
 #elif defined(DISAGG_I8_AVX2)
   return k == Q3_K;
 #else
@@ -108,11 +108,14 @@ constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacke
   return false;
 #endif
 }
-constexpr bool byte_quants(Kind k) { return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K; }  // a byte each
+constexpr bool byte_quants(Kind k) {  // a byte each
+  return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K || k == U8_Q2K;
+}
+constexpr bool q2_mins(Kind k) { return k == Q2_K || k == U8_Q2K; }  // Q2_K's minimum per 16 weights
 constexpr bool sub_scales(Kind k) {  // a scale per 16 weights (int8; Q2_K: 4 bits, beside a 4-bit minimum)
   return k == Q6_K || k == U8_Q6K || k == Q3_K || k == Q2_K;
 }
-constexpr bool has_dmin(Kind k) { return two_level(k) || k == Q2_K; }  // d, dmin per 256
+constexpr bool has_dmin(Kind k) { return two_level(k) || q2_mins(k); }  // d, dmin per 256
 template <Kind KD>
 constexpr int32_t sub_offset() {  // where a sub-scaled half block's integer sum starts: -32 s (Q3_K: -4 s; Q2_K: 0)
   return KD == Q3_K ? -4 : (KD == Q2_K ? 0 : -32);
@@ -187,13 +190,15 @@ struct ActQ8 {
   const int32_t* s = nullptr;  // [R, NB]
   const float* dxs = nullptr;  // [R, NB]: dx * s (the minimum's term)
   const int32_t* slo = nullptr;  // [R, NB]: the sum of each block's first 16 quants (Q6_K's two halves)
+  const float* dxlo = nullptr;   // [R, NB]: dx * slo (Q2_K's first half's minimum term)
   int64_t K = 0;
 };
 
 // ---- activations -------------------------------------------------------------------------------------
 
 // One 32-block of activations -> its quants, scale and quant sum.
-inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs, int32_t* slo) {
+inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs, int32_t* slo,
+                           float* dxlo) {
 #if defined(__AVX512F__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -221,16 +226,17 @@ inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, f
 #endif
   *dx = d;
   *dxs = d * static_cast<float>(*s);
+  *dxlo = d * static_cast<float>(*slo);
 }
 
-// Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s, dxs, slo (each row's blocks in order).
+// Rows [r0, r1) of x [*, K] (fp32) -> q, dx, s, dxs, slo, dxlo (each row's blocks in order).
 inline void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* dx, int32_t* s,
-                          float* dxs, int32_t* slo) {
+                          float* dxs, int32_t* slo, float* dxlo) {
   const int64_t NB = K / BLOCK;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t i = r * NB + b;
-      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + i, s + i, dxs + i, slo + i);
+      quantize_block(x + r * K + b * BLOCK, q + r * K + b * BLOCK, dx + i, s + i, dxs + i, slo + i, dxlo + i);
     }
 }
 
@@ -319,7 +325,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   const uint8_t* qg = w.group_qs(g);
   const uint16_t* dg = w.d + g * w.d_blocks() * GROUP;
   const uint16_t* mg = has_min(KD) ? w.m + g * NB * GROUP : nullptr;
-  const int8_t* sg = sub_scales(KD) ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
+  const int8_t* sg =
+      sub_scales(KD) || q2_mins(KD) ? reinterpret_cast<const int8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
   const uint8_t* kg = two_level(KD) ? reinterpret_cast<const uint8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i b5 = _mm512_set1_epi8(0x10);
@@ -370,16 +377,18 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
     }
     __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();  // Q6_K: the halves' sub-block scales
-    __m512 mlo = _mm512_setzero_ps(), mhi = _mm512_setzero_ps();         // Q2_K: the halves' dmin * mn
-    if constexpr (KD == Q2_K) {  // each half's byte: the scale in the low nibble, the minimum in the high one
+    __m512 mlo = _mm512_setzero_ps(), mhi = _mm512_setzero_ps();  // Q2_K: dmin * (mn_lo - mn_hi), dmin * mn_hi
+    if constexpr (q2_mins(KD)) {  // each half's byte: the scale in the low nibble, the minimum in the high one
       const __m512i ka = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       const __m512i kb =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
-      const __m512i low4_32 = _mm512_set1_epi32(0x0F);
-      sa = _mm512_and_si512(ka, low4_32);
-      sb = _mm512_and_si512(kb, low4_32);
-      mlo = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(ka, 4)));
-      mhi = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(kb, 4)));
+      if constexpr (KD == Q2_K) {  // (U8_Q2K's bytes hold q times the scale already)
+        sa = _mm512_and_si512(ka, _mm512_set1_epi32(0x0F));
+        sb = _mm512_and_si512(kb, _mm512_set1_epi32(0x0F));
+      }
+      mhi = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(kb, 4)));  // dmin (mn_lo - mn_hi): exact
+      const __m512i dmn = _mm512_sub_epi32(_mm512_srli_epi32(ka, 4), _mm512_srli_epi32(kb, 4));
+      mlo = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(dmn));
     } else if constexpr (sub_scales(KD)) {
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
@@ -414,10 +423,9 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
       if constexpr (two_level(KD))  // - (dmin mn) dxs in one rounding: as fmadd with -(dmin mn), bit for bit
         acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
-      else if constexpr (KD == Q2_K) {  // - (dmin mn) dx s per half
-        const int32_t slo = x.slo[row * NB + b];
-        acc[r] = _mm512_fnmadd_ps(mlo, _mm512_set1_ps(dx * static_cast<float>(slo)), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(mhi, _mm512_set1_ps(dx * static_cast<float>(s - slo)), acc[r]);
+      else if constexpr (q2_mins(KD)) {  // - (dmin mn) dx s per half: - dmin mn_hi dx s - dmin (mn_lo - mn_hi) dx slo
+        acc[r] = _mm512_fnmadd_ps(mhi, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(mlo, _mm512_set1_ps(x.dxlo[row * NB + b]), acc[r]);
       }
       else if constexpr (has_min(KD))
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.dxs[row * NB + b]), acc[r]);
@@ -440,11 +448,29 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 }
 constexpr int TILE_ROWS = 8;
 
-// One Q5 / Q6_K / Q3_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same values
-// (q - 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as U8_Q6K
-// (q, unsigned); Q3_K's as U8_Q6K too (q + 28: (q - 4) + 32).
+// One Q5 / Q6_K / Q3_K / Q2_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same
+// values (q - 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as
+// U8_Q6K (q, unsigned); Q3_K's as U8_Q6K too (q + 28: (q - 4) + 32); Q2_K's as U8_Q2K: q times its half block's 4-bit
+// scale (<= 45), so that a row's integer sum needs no multiply by the scales (mb: the block's 32 bytes of m).
 template <Kind KD>
-inline void unpack_block(const uint8_t* qb, uint8_t* out) {
+inline void unpack_block(const uint8_t* qb, uint8_t* out, const uint8_t* mb) {
+  if constexpr (KD == Q2_K) {
+    __m512i wv[8];
+    two_bits512(qb, wv);
+    const __m512i one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
+    for (int h = 0; h < 2; ++h) {  // output j's scale in each of its 4 bytes: q sc = (q & 1) sc + (q & 2) sc
+      const __m512i k32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mb + 16 * h)));
+      const __m512i sc32 = _mm512_and_si512(k32, _mm512_set1_epi32(0x0F));
+      const __m512i sc = _mm512_mullo_epi32(sc32, _mm512_set1_epi32(0x01010101));
+      for (int v = 4 * h; v < 4 * h + 4; ++v) {
+        const __m512i p = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(wv[v], one), sc);
+        _mm512_storeu_si512(out + v * 64,
+                            _mm512_mask_add_epi8(p, _mm512_test_epi8_mask(wv[v], two), p, _mm512_add_epi8(sc, sc)));
+      }
+    }
+    return;
+  }
+  (void)mb;
   if constexpr (KD == Q3_K) {
     __m512i wv[8];
     three_bits512(qb, wv);
@@ -561,7 +587,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       for (int c = 0; c < 8; ++c)
         wa[c] = _mm256_abs_epi8(KD == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64)) : w5[c]);
     __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();  // Q6_K / Q3_K: the halves' sub-block scales
-    __m256 mlo = _mm256_setzero_ps(), mhi = _mm256_setzero_ps();         // Q2_K: the halves' dmin * mn
+    __m256 mlo = _mm256_setzero_ps(), mhi = _mm256_setzero_ps();  // Q2_K: dmin * (mn_lo - mn_hi), dmin * mn_hi
     if constexpr (KD == Q2_K) {  // each half's byte: the scale in the low nibble, the minimum in the high one
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db + GROUP)));
       const __m256i ka = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
@@ -569,8 +595,9 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
       sa = _mm256_and_si256(ka, _mm256_set1_epi32(0x0F));
       sb = _mm256_and_si256(kb, _mm256_set1_epi32(0x0F));
-      mlo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(ka, 4)));
-      mhi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(kb, 4)));
+      mhi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(kb, 4)));  // (as on AVX-512)
+      const __m256i dmn = _mm256_sub_epi32(_mm256_srli_epi32(ka, 4), _mm256_srli_epi32(kb, 4));
+      mlo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(dmn));
     } else if constexpr (sub_scales(KD)) {
       sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
@@ -625,10 +652,9 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (has_min(KD)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
-      if constexpr (KD == Q2_K) {  // - (dmin mn) dx s per half
-        const int32_t s = x.s[row * NB + b], slo = x.slo[row * NB + b];
-        acc[r] = _mm256_fnmadd_ps(mlo, _mm256_set1_ps(dx * static_cast<float>(slo)), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(mhi, _mm256_set1_ps(dx * static_cast<float>(s - slo)), acc[r]);
+      if constexpr (KD == Q2_K) {  // - (dmin mn) dx s per half, as on AVX-512
+        acc[r] = _mm256_fnmadd_ps(mhi, _mm256_set1_ps(x.dxs[row * NB + b]), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(mlo, _mm256_set1_ps(x.dxlo[row * NB + b]), acc[r]);
       }
     }
   }
@@ -637,7 +663,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
 // Q3_K over many rows on AVX2: a block as the Q6_K block of the same values (q + 28, the same scales), which the Q6_K
 // kernel reads (extracting the 3rd bits per tile of 4 rows made Q3_K's GEMMs at 64-256 rows ~0.83x of its Q6_K form's).
 template <Kind KD>
-inline void unpack_block(const uint8_t* qb, uint8_t* out) {
+inline void unpack_block(const uint8_t* qb, uint8_t* out, const uint8_t*) {
   static_assert(KD == Q3_K, "AVX2 unpacks Q3_K only");
   const __m256i two = _mm256_set1_epi8(0x03), low4 = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8(28);
   for (int h = 0; h < 2; ++h) {
@@ -731,8 +757,8 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
         vals[r][j] += static_cast<float>(dot) * (d * dx);
         if constexpr (has_min(KD)) vals[r][j] += mn * x.dxs[row * NB + b];
         if constexpr (KD == Q2_K) {
-          const int32_t slo = x.slo[row * NB + b];
-          vals[r][j] -= mlo * (dx * static_cast<float>(slo)) + mhi * (dx * static_cast<float>(x.s[row * NB + b] - slo));
+          const float lo = x.dxlo[row * NB + b];
+          vals[r][j] -= mlo * lo + mhi * (x.dxs[row * NB + b] - lo);
         }
       }
     }
@@ -752,18 +778,21 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
 template <Kind KD>
 constexpr Kind unpacked_kind() {
 #if defined(DISAGG_I8_AVX512)
-  return KD == Q5_0 || KD == IQ4_NL ? Q8_0 : (KD == Q5_1 ? U8_MIN : (KD == Q5_K ? U8_K5 : U8_Q6K));
+  return KD == Q5_0 || KD == IQ4_NL ? Q8_0
+         : KD == Q5_1               ? U8_MIN
+         : KD == Q5_K               ? U8_K5
+         : KD == Q2_K               ? U8_Q2K
+                                    : U8_Q6K;
 #else
   return Q6_K;
 #endif
 }
 
-// Q5 / Q5_K / Q6_K / Q3_K / IQ4_NL over many rows on AVX-512: each group unpacked once into a byte a weight (Q5_0 and
-// IQ4_NL: the Q8_0 blocks of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K and Q3_K: U8_Q6K), and every tile of
-// rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block again per tile (at 256 rows
-// that cost
-// Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4, IQ4_NL's lookup 14 % on a 7B FFN-down; Q6_K ran at 0.77x of Q8_0's
-// time without the copy, 0.84-0.88x with).
+// Q5 / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_NL over many rows on AVX-512: each group unpacked once into a byte a weight
+// (Q5_0 and IQ4_NL: the Q8_0 blocks of the same values; Q5_1: U8_MIN; Q5_K: U8_K5; Q6_K and Q3_K: U8_Q6K; Q2_K:
+// U8_Q2K), and every tile of rows run on that copy (in L1 / L2) by that kind's kernel, instead of unpacking each block
+// again per tile (at 256 rows that cost Q5_0 ~12 % against Q8_0 on the AVX-512 Zen 4, IQ4_NL's lookup 14 % on a 7B
+// FFN-down; Q6_K ran at 0.77x of Q8_0's time without the copy, 0.84-0.88x with).
 // On AVX2 only Q3_K (into its Q6_K form): its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned
 // products there (the AVX2 build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
 constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
@@ -781,7 +810,9 @@ inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0,
   wx.qs = buf.data();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qg = w.group_qs(g);
-    for (int64_t b = 0; b < NB; ++b) unpack_block<KD>(qg + b * BB, buf.data() + b * XB);
+    const uint8_t* mg = q2_mins(KD) ? reinterpret_cast<const uint8_t*>(w.m) + g * NB * 2 * GROUP : nullptr;
+    for (int64_t b = 0; b < NB; ++b)
+      unpack_block<KD>(qg + b * BB, buf.data() + b * XB, mg != nullptr ? mg + b * 2 * GROUP : nullptr);
     wx.first_group = g;
     groups_kind<UK>(wx, x, R, g, g + 1, y, ldy, bias, accumulate);
   }
@@ -827,6 +858,7 @@ inline void gemm_groups(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     case Q3_K: groups_kind<Q3_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case Q2_K: groups_kind<Q2_K>(w, x, R, g0, g1, y, ldy, bias, accumulate); break;
     case U8_MIN:
+    case U8_Q2K:
     case U8_K5:
     case U8_Q6K: break;  // never stored (groups_unpacked's copies)
   }
