@@ -114,15 +114,7 @@ def quantize_k4(w: np.ndarray, kind: QuantKind) -> np.ndarray:
         raise ValueError(f"{kind.name} needs a multiple of 256 columns, got {k}")
     top = 31 if kind is QuantKind.Q5_K else 15
     sub = w.reshape(-1, 8, 32).astype(np.float32)
-    lo = np.minimum(sub.min(axis=2), 0.0)
-    scale, offset = (sub.max(axis=2) - lo) / top, -lo
-    d = (scale.max(axis=1, keepdims=True) / 63).astype(np.float16)
-    dmin = (offset.max(axis=1, keepdims=True) / 63).astype(np.float16)
-    sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, 63).astype(np.uint8)
-    mn = np.clip(np.round(offset / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, 63).astype(np.uint8)
-    step = (d.astype(np.float32) * sc)[:, :, None]
-    shift = (dmin.astype(np.float32) * mn)[:, :, None]
-    q = np.clip(np.round((sub + shift) / np.where(step == 0, 1, step)), 0, top).astype(np.uint8)  # [S, 8, 32]
+    d, dmin, sc, mn, q = _affine_round(sub, top, 63)  # q: [S, 8, 32]
     scales = np.zeros((sub.shape[0], 12), dtype=np.uint8)
     scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
@@ -134,6 +126,25 @@ def quantize_k4(w: np.ndarray, kind: QuantKind) -> np.ndarray:
         parts.append(((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8))
     blocks = np.concatenate([*parts, qs], axis=1)
     return blocks.reshape(n, k // 256 * kind.block_bytes)
+
+
+def _affine_round(
+    sub: np.ndarray, top: int, levels: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Super-blocks of sub-blocks ``[S, m, w]`` -> each sub-block's range [min(x, 0), max(x)] spanning the quants
+    0..``top``: the super-block's fp16 ``d`` / ``dmin`` ``[S, 1]`` map the largest scale / minimum to ``levels``, each
+    sub-block's scale ``sc`` and minimum ``mn`` ``[S, m]`` (uint8) round to that many steps of them, and the quants
+    ``q`` ``[S, m, w]`` (uint8) round to nearest under the final ``d * sc`` and ``dmin * mn`` (Q4_K / Q5_K / Q2_K)."""
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale, offset = (sub.max(axis=2) - lo) / top, -lo
+    d = (scale.max(axis=1, keepdims=True) / levels).astype(np.float16)
+    dmin = (offset.max(axis=1, keepdims=True) / levels).astype(np.float16)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, levels).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, levels).astype(np.uint8)
+    step = (d.astype(np.float32) * sc)[:, :, None]
+    shift = (dmin.astype(np.float32) * mn)[:, :, None]
+    q = np.clip(np.round((sub + shift) / np.where(step == 0, 1, step)), 0, top).astype(np.uint8)
+    return d, dmin, sc, mn, q
 
 
 def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
@@ -222,16 +233,7 @@ def quantize_q2_k(w: np.ndarray) -> np.ndarray:
     if k % 256:
         raise ValueError(f"Q2_K needs a multiple of 256 columns, got {k}")
     sb = k // 256
-    sub = w.astype(np.float32).reshape(n * sb, 16, 16)
-    lo = np.minimum(sub.min(axis=2), 0.0)
-    scale, offset = (sub.max(axis=2) - lo) / 3, -lo
-    d = (scale.max(axis=1, keepdims=True) / 15).astype(np.float16)
-    dmin = (offset.max(axis=1, keepdims=True) / 15).astype(np.float16)
-    sc = np.clip(np.round(scale / np.where(d == 0, 1, d.astype(np.float32))), 0, 15).astype(np.uint8)
-    mn = np.clip(np.round(offset / np.where(dmin == 0, 1, dmin.astype(np.float32))), 0, 15).astype(np.uint8)
-    step = (d.astype(np.float32) * sc)[:, :, None]
-    shift = (dmin.astype(np.float32) * mn)[:, :, None]
-    q = np.clip(np.round((sub + shift) / np.where(step == 0, 1, step)), 0, 3).astype(np.uint8)  # [S, 16, 16]
+    d, dmin, sc, mn, q = _affine_round(w.astype(np.float32).reshape(n * sb, 16, 16), 3, 15)  # q: [S, 16, 16]
     two = q.reshape(n * sb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)  # 128 h + 32 s + i
     parts = [sc | (mn << 4), two.sum(axis=2, dtype=np.uint8).reshape(n * sb, 64), d.view(np.uint8),
              dmin.view(np.uint8)]  # fmt: skip

@@ -288,13 +288,7 @@ def q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
     n, nb, _ = q.shape
     qs = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)  # byte j: element j | element j + 16 << 4
     h = ((q >> 4).reshape(n, nb, 8, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
-    return Packed(
-        QuantKind.Q6_K,
-        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, nb * 16)),
-        torch.from_numpy(np.ascontiguousarray(d)),
-        torch.from_numpy(np.ascontiguousarray(sc)),
-        torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 8)),
-    )
+    return _of_arrays(QuantKind.Q6_K, qs.reshape(n, nb * 16), d, sc, h.reshape(n, nb * 8))
 
 
 def _from_q3_k(blocks: np.ndarray, n: int, k: int) -> Packed:
@@ -323,13 +317,14 @@ def q3_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> Packed:
         axis=2, dtype=np.uint8
     )  # byte j: elements j + 8 t at bits 2 t
     h = (((q >> 2) & 1).reshape(n, nb, 4, 8) << np.arange(8, dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
-    return Packed(
-        QuantKind.Q3_K,
-        torch.from_numpy(np.ascontiguousarray(qs).reshape(n, nb * 8)),
-        torch.from_numpy(np.ascontiguousarray(d)),
-        torch.from_numpy(np.ascontiguousarray(sc)),
-        torch.from_numpy(np.ascontiguousarray(h).reshape(n, nb * 4)),
-    )
+    return _of_arrays(QuantKind.Q3_K, qs.reshape(n, nb * 8), d, sc, h.reshape(n, nb * 4))
+
+
+def _of_arrays(kind: QuantKind, qs: np.ndarray, d: np.ndarray, m: np.ndarray, h: np.ndarray | None = None) -> Packed:
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    return Packed(kind, t(qs), t(d), t(m), None if h is None else t(h))
 
 
 def _from_q2_k(blocks: np.ndarray, n: int, k: int) -> Packed:
@@ -342,12 +337,7 @@ def _from_q2_k(blocks: np.ndarray, n: int, k: int) -> Packed:
         axis=2, dtype=np.uint8
     )  # byte j of a block: elements j + 8 t at bits 2 t
     d = blocks[:, :, 80:84].copy().view(np.float16).reshape(n, sb * 2)  # d, dmin per super-block
-    return Packed(
-        QuantKind.Q2_K,
-        torch.from_numpy(np.ascontiguousarray(crumbs).reshape(n, k // 4)),
-        torch.from_numpy(d),
-        torch.from_numpy(np.ascontiguousarray(scales).reshape(n, k // 16)),
-    )
+    return _of_arrays(QuantKind.Q2_K, crumbs.reshape(n, k // 4), d, scales.reshape(n, k // 16))
 
 
 def _from_k4(kind: QuantKind, blocks: np.ndarray, n: int, k: int) -> Packed:
@@ -387,9 +377,10 @@ def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class Grouped:
     """A ``Packed`` weight ``[n, k]`` repacked for the integer kernels (``csrc/qgemm.h``): quants
     ``qs`` in groups of 16 interleaved output rows, scales ``d`` / minimums ``m`` ``[groups, k / 32, 16]``
-    (``m`` empty unless Q4_1 / Q5_1; Q6_K: ``d`` ``[groups, k / 256, 16]``, ``m`` its sub-block scales
+    (``m`` empty unless Q4_1 / Q5_1; Q6_K and Q3_K: ``d`` ``[groups, k / 256, 16]``, ``m`` their sub-block scales
     ``[groups, k / 32, 32]`` int8; Q4_K / Q5_K: ``d`` ``[groups, k / 128, 16]`` (d, dmin), ``m`` ``[groups, k / 32,
-    32]`` uint8, the block's 16 scales then its 16 minimums)."""
+    32]`` uint8, the block's 16 scales then its 16 minimums; Q2_K: ``d`` as Q4_K's, ``m`` ``[groups, k / 32, 32]``
+    uint8, each half block's scale and minimum in one byte)."""
 
     kind: QuantKind
     n: int
