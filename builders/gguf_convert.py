@@ -30,7 +30,8 @@ from gguf.quants import dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.quantize import QuantReport, quantize_tensor
-from torch_engine.quant import IQ4_NL_VALUES, Packed, QuantKind, q6_k
+from torch_engine.gguf_blocks import q6_k
+from torch_engine.quant import IQ4_NL_VALUES, Packed, QuantKind
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from builders.errors import BuildError
 from builders.gguf_convert import convert, converts
 from builders.quantize import QuantReport
 from torch_engine.config import Family, ModelConfig
-from torch_engine.quant import BLOCK, Packed, QuantKind, Weight, from_gguf_blocks
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import BLOCK, Packed, QuantKind, Weight
 
 log = logging.getLogger(__name__)
 

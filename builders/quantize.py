@@ -37,7 +37,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from builders.checkpoint import Checkpoint
-from torch_engine.quant import BLOCK, IQ4_NL_VALUES, Packed, QuantKind, from_gguf_blocks
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import BLOCK, IQ4_NL_VALUES, Packed, QuantKind
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def quantize_blocks(w: np.ndarray, kind: QuantKind) -> np.ndarray:
 
 def quantize_k4(w: np.ndarray, kind: QuantKind) -> np.ndarray:
     """``[N, K]`` fp32 (K a multiple of 256) -> Q4_K / Q5_K super-blocks, GGUF's byte layout (see
-    ``torch_engine.quant._from_k4``). Each 32 weights' range [min(x, 0), max(x)] spans the quants (0..15 / 0..31);
+    ``torch_engine.gguf_blocks._from_k4``). Each 32 weights' range [min(x, 0), max(x)] spans the quants (0..15 / 0..31);
     the super-block's fp16 ``d`` / ``dmin`` map the largest scale / minimum to 63, each rounds to 6 bits of it, and
     the quants round to nearest under the final scale and minimum."""
     n, k = w.shape
@@ -164,7 +165,7 @@ def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     """``[N, K]`` fp32 (K a multiple of 256) -> Q6_K super-blocks, GGUF's byte layout (see
-    ``torch_engine.quant._from_q6_k``). Each 16 weights' scale maps their largest magnitude to -32 (signed, as
+    ``torch_engine.gguf_blocks._from_q6_k``). Each 16 weights' scale maps their largest magnitude to -32 (signed, as
     ggml does); the super-block's fp16 ``d`` maps the largest scale to -128 and each scale rounds to an int8 of it;
     the quants round to nearest under the final ``d * sc``."""
     n, k = w.shape
@@ -199,7 +200,7 @@ def q6_k_blocks(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def quantize_q3_k(w: np.ndarray) -> np.ndarray:
     """``[N, K]`` fp32 (K a multiple of 256) -> Q3_K super-blocks, GGUF's byte layout (see
-    ``torch_engine.quant._from_q3_k``). Each 16 weights' signed scale maps their extreme to -4; the super-block's
+    ``torch_engine.gguf_blocks._from_q3_k``). Each 16 weights' signed scale maps their extreme to -4; the super-block's
     fp16 ``d`` maps the largest scale to -32 and each scale rounds to 6 bits of it (-32..31); the quants round to
     nearest under the final ``d * sc`` (-4..3)."""
     n, k = w.shape
@@ -226,7 +227,7 @@ def quantize_q3_k(w: np.ndarray) -> np.ndarray:
 
 def quantize_q2_k(w: np.ndarray) -> np.ndarray:
     """``[N, K]`` fp32 (K a multiple of 256) -> Q2_K super-blocks, GGUF's byte layout (see
-    ``torch_engine.quant._from_q2_k``). Each 16 weights' range [min(x, 0), max(x)] spans the quants (0..3); the
+    ``torch_engine.gguf_blocks._from_q2_k``). Each 16 weights' range [min(x, 0), max(x)] spans the quants (0..3); the
     super-block's fp16 ``d`` / ``dmin`` map the largest scale / minimum to 15, each rounds to 4 bits of it, and the
     quants round to nearest under the final scale and minimum."""
     n, k = w.shape

@@ -90,7 +90,7 @@ def test_q3_k_converts_exactly_into_q6_k() -> None:
     the scales as int8, the same ``d``): the form a fused group mixing Q3_K with Q6_K takes (as every Q3_K tensor was
     built before Q3_K was kept), bit-equal to gguf's dequantisation of the source, for any bit pattern."""
     from builders.gguf_convert import _as
-    from torch_engine.quant import from_gguf_blocks
+    from torch_engine.gguf_blocks import from_gguf_blocks
 
     n, k = 24, 768
     raw = _random_k_blocks(T.Q3_K, n, k, seed=5)

@@ -19,8 +19,9 @@ import torch
 
 from builders.quantize import quantize_blocks
 from tests.shims import compile_levels
+from torch_engine.gguf_blocks import from_gguf_blocks
 from torch_engine.kernels import cpu_kernels
-from torch_engine.quant import Packed, QuantKind, from_gguf_blocks, group
+from torch_engine.quant import Packed, QuantKind, group
 
 SHIM = Path(__file__).resolve().parent / "csrc" / "qgemm_capi.cpp"
 KINDS = list(QuantKind)

@@ -30,9 +30,10 @@ from builders.sharding import shard
 from tests.helpers import smollm2_prompts
 from torch_engine.config import DType, EngineConfig, EngineManifest, SchedulerConfig, WeightStorage
 from torch_engine.engine import LLMEngine
+from torch_engine.gguf_blocks import from_gguf_blocks
 from torch_engine.kernels import cpu_kernels
 from torch_engine.layers import Linear
-from torch_engine.quant import Packed, QuantKind, cat_rows, from_gguf_blocks, group, narrow
+from torch_engine.quant import Packed, QuantKind, cat_rows, group, narrow
 from torch_engine.sampling import SamplingParams
 
 KINDS = list(QuantKind)

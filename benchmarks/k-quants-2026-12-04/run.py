@@ -27,7 +27,8 @@ import torch_engine.kernels as tk
 from bench.ab import compare_files
 from bench.gguf_rewrite import rewrite
 from torch_engine.cpu import cpu_info
-from torch_engine.quant import QuantKind, from_gguf_blocks
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import QuantKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from before import KEPT, before, gguf_blocks

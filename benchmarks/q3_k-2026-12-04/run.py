@@ -29,7 +29,8 @@ from bench.gguf_rewrite import rewrite
 from builders.embedded import smollm2_gguf
 from builders.gguf_convert import _as
 from builders.quantize import q6_k_blocks, quantize_blocks
-from torch_engine.quant import QuantKind, from_gguf_blocks
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import QuantKind
 
 ROOT = Path("/tmp/q3k")
 T = GGMLQuantizationType

@@ -32,7 +32,8 @@ from builders import BuildOptions, build_engine
 from builders.embedded import smollm2_gguf
 from torch_engine.config import DType
 from torch_engine.cpu import cpu_info
-from torch_engine.quant import QuantKind, from_gguf_blocks
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import QuantKind
 
 T = GGMLQuantizationType
 ROOT = Path("/tmp/kqm")

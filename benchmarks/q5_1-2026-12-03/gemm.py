@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from bench.ab import gemm_args
-from torch_engine.quant import Grouped, QuantKind, from_gguf_blocks, group
+from torch_engine.gguf_blocks import from_gguf_blocks
+from torch_engine.quant import Grouped, QuantKind, group
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 KINDS = [QuantKind.Q5_1, QuantKind.Q5_0, QuantKind.Q4_1, QuantKind.Q8_0]
