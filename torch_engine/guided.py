@@ -182,6 +182,9 @@ class GrammarState:
     def _mask(self) -> torch.Tensor:
         raw = self._m.compute_bitmask()
         if self._m.is_error():
+            if self.error.startswith("NoExtension"):  # the guide needs bytes after which no token of the model fits
+                raise GuideError(f"the guide cannot be followed with this model's tokens: no token continues it "
+                                 f"({self.error})")  # fmt: skip
             raise GuideError(f"grammar error: {self.error}")
         mask = torch.frombuffer(bytearray(raw), dtype=torch.int32)
         if mask.numel() < self._words:  # tokens past the tokenizer's vocabulary: never allowed
