@@ -76,7 +76,13 @@ class QuantKind(enum.IntEnum):
     @property
     def d_weights(self) -> int:
         """Weights along K per column of ``Packed.d``."""
-        return 256 if self.sub_scales else (128 if self.two_level or self is QuantKind.Q2_K else BLOCK)
+        return 256 if self.sub_scales else (128 if self.has_dmin else BLOCK)
+
+    @property
+    def has_dmin(self) -> bool:
+        """Q4_K / Q5_K / Q2_K: a super-block's ``d`` and ``dmin`` (``Packed.d``), a 6-bit (Q2_K: 4-bit) scale and
+        minimum per block (Q2_K: per 16 weights) in ``Packed.m``."""
+        return self.two_level or self is QuantKind.Q2_K
 
     @property
     def sub_scales(self) -> bool:
@@ -103,9 +109,9 @@ class QuantKind(enum.IntEnum):
 
     @property
     def has_m(self) -> bool:
-        """Whether ``Packed.m`` is stored: the minimums, Q6_K / Q3_K's sub-block scales, Q4_K / Q5_K's scales and
-        minimums."""
-        return self.has_min or self.sub_scales or self is QuantKind.Q2_K
+        """Whether ``Packed.m`` is stored: the minimums, Q6_K / Q3_K's sub-block scales, Q4_K / Q5_K / Q2_K's scales
+        and minimums."""
+        return self.has_min or self.sub_scales or self.has_dmin
 
     @property
     def high_bits(self) -> int:
@@ -157,8 +163,7 @@ class Packed:
                 f"not [{start}, {start + length})"
             )
         per_q = 8 // self.kind.low_bits
-        paired = self.kind.sub_scales or self.kind.two_level or self.kind is QuantKind.Q2_K  # m: a byte each 16
-        per_m = 16 if paired else BLOCK
+        per_m = 16 if self.kind.sub_scales or self.kind.has_dmin else BLOCK  # m: a byte each 16 weights
 
         def cut(t: torch.Tensor | None, per: int) -> torch.Tensor | None:  # per: weights per column of t
             return None if t is None else t[:, start // per : (start + length) // per].clone()

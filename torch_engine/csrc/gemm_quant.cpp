@@ -48,17 +48,17 @@ disagg_q::Q16 q16_of(int64_t kind, const torch::Tensor& qs, const torch::Tensor&
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
   w.d = static_cast<const uint16_t*>(d.data_ptr());
   if (disagg_q::has_min(k) || disagg_q::sub_scales(k)) {  // 32 bytes a group and block: 16 fp16 minimums, or
-                                                            // 2 x 16 int8 scales
+                                                            // 2 x 16 bytes of scales (and Q2_K's minimums)
     TORCH_CHECK(m.defined() && m.is_contiguous() && m.numel() * m.element_size() == G * NB * 32,
-                "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K [groups, K/32, 32] int8");
+                "Q4_1 / Q5_1 need m16 [groups, K/32, 16] fp16, Q6_K / Q3_K / Q2_K [groups, K/32, 32] bytes");
     w.m = static_cast<const uint16_t*>(m.data_ptr());
   }
   return w;
 }
 
-// The packed form (quant.py: qs [N, K or K/2] (Q3_K: K/4), d / m [N, K/32] (Q6_K / Q3_K: d [N, K/256], m [N, K/16]
-// int8; Q4_K / Q5_K: d [N, K/128] (d, dmin), m [N, K/16] uint8 (sc, mn)), h [N, K/8] (Q6_K: [N, K/4])) -> [qs16, d16,
-// m16 or empty] (qgemm.h; the bits above the nibbles go into qs16).
+// The packed form (quant.py: qs [N, K or K/2] (Q3_K / Q2_K: K/4), d / m [N, K/32] (Q6_K / Q3_K: d [N, K/256], m
+// [N, K/16] int8; Q4_K / Q5_K / Q2_K: d [N, K/128] (d, dmin), m [N, K/16] uint8 (sc, mn)), h [N, K/8] (Q6_K: [N, K/4]))
+// -> [qs16, d16, m16 or empty] (qgemm.h; the bits above the nibbles go into qs16).
 std::vector<torch::Tensor> repack_q16(int64_t kind, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                                       torch::Tensor h) {
   TORCH_CHECK(disagg_q::known_kind(kind), "unknown quant kind ", kind);

@@ -30,7 +30,7 @@
 //   d * sc * (q - 32) (Q3_K: q - 4). Its integer sums are taken per half block and weighted by sc in int32 (exact).
 //
 // Activations (ActQ8, quantize_rows()): per row and 32-block, dx = max|x| / 127, q = round(x / dx) in
-// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; and slo, the sum of the first 16, for Q6_K). The
+// [-127, 127] (nearest, ties to even), s = sum(q) (and dx * s; slo, the sum of the first 16, and dx * slo). The
 // error of the product is that of the activations' rounding (|x - dx * q| <= dx / 2 per element); the weight side is
 // exact.
 //
@@ -171,7 +171,7 @@ struct Q16 {
   int64_t N = 0, K = 0;
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;  // has_min(kind): fp16 minimums; Q6_K / Q3_K: int8 sub-block scales; Q4_K / Q5_K: u8
+  const uint16_t* m = nullptr;  // has_min: fp16 minimums; Q6_K / Q3_K: int8 scales; Q4_K / Q5_K / Q2_K: u8
   int64_t first_group = 0;      // qs starts at this group (a Q5 group's copy unpacked to a byte a weight)
   int64_t NB() const { return K / BLOCK; }
   int64_t groups() const { return (N + GROUP - 1) / GROUP; }
@@ -255,8 +255,8 @@ constexpr int32_t u8_offset() {
   return KD == Q8_0 || KD == IQ4_NL ? -128 : offset<KD>();
 }
 
-// Q5: word v of a block's 5th bits (Q3_K: its 3rd bits, at = 128)
-inline uint64_t high_bits(const uint8_t* qb, int v, int64_t at = 256) {
+// Q5: word v of a block's 5th bits (Q3_K: its 3rd bits, at bits_at(Q3_K))
+inline uint64_t high_bits(const uint8_t* qb, int v, int64_t at = bits_at(Q5_0)) {
   uint64_t bits;
   std::memcpy(&bits, qb + at + 8 * v, sizeof bits);
   return bits;
@@ -272,7 +272,7 @@ inline int high_value(Kind k, const uint8_t* qb, int v, int jb) {
 inline int quant_at(Kind k, const uint8_t* qb, int v, int jb) {
   if (k == Q2_K) return (qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3;
   if (k == Q3_K)
-    return ((qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) | static_cast<int>(((high_bits(qb, v, 128) >> jb) & 1) << 2);
+    return ((qb[64 * (v / 4) + jb] >> (2 * (v % 4))) & 3) | static_cast<int>(((high_bits(qb, v, bits_at(Q3_K)) >> jb) & 1) << 2);
   const uint8_t byte = qb[(v / 2) * 64 + jb];
   return ((v % 2 ? byte >> 4 : byte) & 0x0F) | high_value(k, qb, v, jb);
 }
@@ -314,7 +314,7 @@ inline void two_bits512(const uint8_t* qb, __m512i wv[8]) {
 inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
   const __m512i b3 = _mm512_set1_epi8(0x04);
   two_bits512(qb, wv);
-  for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, 128)), wv[v], b3);
+  for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, bits_at(Q3_K))), wv[v], b3);
 }
 
 template <Kind KD, int R>
@@ -498,8 +498,8 @@ inline void unpack_block(const uint8_t* qb, uint8_t* out, const uint8_t* mb) {
 // Eight outputs (half h of the group) at a time: 16 ymm registers do not hold a whole group's block.
 
 // Q5: half h's 32 bits of word v of the 5th bits (qb: the block's start + h * 32, as half_tile reads it; Q3_K's 3rd
-// bits: at = 128).
-inline uint32_t half_bits(const uint8_t* qb, int v, int h, int64_t at = 256) {
+// bits: at bits_at(Q3_K)).
+inline uint32_t half_bits(const uint8_t* qb, int v, int h, int64_t at = bits_at(Q5_0)) {
   uint32_t bits;
   std::memcpy(&bits, qb - 32 * h + at + 8 * v + 4 * h, sizeof bits);
   return bits;
@@ -571,7 +571,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
         for (int t = 0; t < 4; ++t) {
           w5[4 * u + t] = _mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two);
           if constexpr (KD == Q3_K)
-            w5[4 * u + t] = _mm256_or_si256(w5[4 * u + t], fifth_bits(half_bits(qb, 4 * u + t, h, 128), 0x04));
+            w5[4 * u + t] = _mm256_or_si256(w5[4 * u + t], fifth_bits(half_bits(qb, 4 * u + t, h, bits_at(Q3_K)), 0x04));
         }
       }
     } else if constexpr (has_high(KD)) {
@@ -673,7 +673,7 @@ inline void unpack_block(const uint8_t* qb, uint8_t* out, const uint8_t*) {
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 64 * u));
       for (int t = 0; t < 4; ++t)
         q[4 * u + t] = _mm256_add_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 2 * t), two),
-                                                       fifth_bits(half_bits(qh, 4 * u + t, h, 128), 0x04)),
+                                                       fifth_bits(half_bits(qh, 4 * u + t, h, bits_at(Q3_K)), 0x04)),
                                        offset);
     }
     for (int c = 0; c < 4; ++c)  // the nibbles: vector 2c low, 2c + 1 high (16-bit shifts of masked bytes)
