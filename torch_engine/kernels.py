@@ -26,7 +26,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).resolve().parent / "csrc" / name
-    for name in ("paged_attention.cpp", "gemm_bf16.cpp", "gemm_quant.cpp", "decode_step.cpp", "prefill_attention.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "gemm_bf16.cpp",
+        "gemm_quant.cpp",
+        "decode_step.cpp",
+        "prefill_attention.cpp",
+        "row_ops.cpp",
+    )
 ]
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 BUILD_ROOT = Path(__file__).resolve().parent.parent / "build" / "kernels"

@@ -79,6 +79,28 @@ class PagedKVCache:
         else:
             self.pools[layer][pages, offsets] = kv
 
+    def rope_write_kv(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        q_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> bool:
+        """With the compiled kernels: rotate the query and key heads of ``qkv`` (``[T, q_heads + 2 * H, D]``,
+        contiguous, in the pool's dtype) in place with ``cos`` / ``sin`` (``[T, D / 2]``, HF's rotate_half) and
+        store each token's K and V at its (page, offset), in one pass. False, nothing done, where the kernel
+        does not apply (no kernels, another device or dtype, MLA): the caller rotates and calls ``write_kv``."""
+        found = self._kernel_pool(layer, qkv)
+        if found is None or not qkv.is_contiguous() or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+            return False
+        k, pool, (page, head, kv, token) = found
+        kh, ps = self.spec.kv_heads, self.spec.page_size
+        k.rope_write_kv(qkv, cos, sin, pool, pages, offsets, q_heads, kh, ps, page, head, kv, token)
+        return True
+
     def gather_kv(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the sequences whose pages are the rows of ``page_table`` (``[B, M]``).
 

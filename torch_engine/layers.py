@@ -107,6 +107,7 @@ class Linear(nn.Linear):
 
 
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+_ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled row kernels take
 
 
 class Embedding(nn.Embedding):
@@ -225,7 +226,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP, tensor parallel: ``gate_up`` column-sharded, ``down`` row-sharded."""
+    """SiLU-gated MLP, tensor parallel: ``gate_up`` column-sharded, ``down`` row-sharded. ``kernels`` (the
+    engine's fast CPU path): SiLU(gate) * up in one compiled pass (SmolLM2, a 256-token prefill, one thread:
+    10.7 -> ~1 ms of PyTorch's two ops)."""
+
+    kernels: ModuleType | None = None
 
     def __init__(self, hidden: int, local_intermediate: int, tp: TPGroup, reduce: bool = True) -> None:
         super().__init__()
@@ -235,6 +240,11 @@ class GatedMLP(nn.Module):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        out = self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        if self.kernels is not None and gate_up.device.type == "cpu" and gate_up.dtype in _ROW_DTYPES:
+            mid = self.kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*gate_up.shape[:-1], -1)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = F.silu(gate) * up
+        out = self.down(mid)
         return self.tp.all_reduce(out) if self.reduce else out

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch_engine.config import EngineConfig, EngineManifest, ModelConfig
 from torch_engine.cpu import cpu_info
 from torch_engine.kernels import cpu_kernels
-from torch_engine.layers import Embedding, Linear, RMSNorm
+from torch_engine.layers import Embedding, GatedMLP, Linear, RMSNorm
 from torch_engine.models import build_model
 from torch_engine.models.decoder import CausalLM
 from torch_engine.parallel import TPGroup
@@ -128,8 +128,9 @@ def prepare_cpu_path(model: CausalLM, device: torch.device, dtype: torch.dtype) 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for m in linears:
         m.prepare(kernels)
-    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
-        norm.kernels = kernels
+    for module in model.modules():
+        if isinstance(module, RMSNorm | GatedMLP):
+            module.kernels = kernels
     return any(m.packed is not None for m in linears)
 
 

@@ -39,6 +39,7 @@
 #include "bf16gemm.h"
 #include "f32gemm.h"
 #include "qgemm.h"
+#include "rows.h"
 
 namespace {
 
@@ -46,6 +47,7 @@ using disagg_q::ActQ8;
 using disagg_q::BLOCK;
 using disagg_q::Q16;
 using disagg_q::share;
+using disagg_rows::rope;
 
 // Chunks of 16 tokens in a part of a sequence's attention (one job): about 8 parts a sequence, of 2 to 8
 // chunks (32-128 tokens), so that a short sequence at batch 1 still splits evenly over the threads (parts
@@ -82,37 +84,6 @@ inline float inv_rms(const float* x, int64_t H, float eps) {
   float ss = 0.0f;
   for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
   return 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-}
-
-// out = SiLU(gate) * up for one block of 32.
-inline void silu_mul(const float* gate, const float* up, float* out) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < BLOCK; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = disagg_attn::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                            _mm512_loadu_ps(up + i)));
-  }
-#elif defined(DISAGG_ATTN_AVX2)
-  for (int64_t i = 0; i < BLOCK; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = disagg_attn::exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                            _mm256_loadu_ps(up + i)));
-  }
-#else
-  for (int64_t i = 0; i < BLOCK; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-#endif
-}
-
-// HF's rotate_half on one head of D values: pairs i and i + D/2.
-inline void rope(float* x, const float* cos, const float* sin, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * cos[i] - x2 * sin[i];
-    x[i + half] = x2 * cos[i] + x1 * sin[i];
-  }
 }
 
 class FusedDecoder {
@@ -502,7 +473,7 @@ class FusedDecoder {
             const float* gate = gup + r * 2 * I + blk * BLOCK;
             const float* up = gate + I;
             float* m = midp + r * I + blk * BLOCK;
-            silu_mul(gate, up, m);
+            disagg_rows::silu_mul(gate, up, m, BLOCK);
             const int64_t i = r * NBI + blk;
             prep(m, r, I, blk, i);
           }

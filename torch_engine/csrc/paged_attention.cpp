@@ -148,12 +148,14 @@ void register_gemm(pybind11::module& m);        // gemm_bf16.cpp
 void register_gemm_quant(pybind11::module& m);  // gemm_quant.cpp
 void register_decode_step(pybind11::module& m);  // decode_step.cpp
 void register_prefill_attention(pybind11::module& m);  // prefill_attention.cpp
+void register_row_ops(pybind11::module& m);  // row_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm(m);
   register_gemm_quant(m);
   register_decode_step(m);
   register_prefill_attention(m);
+  register_row_ops(m);
   // the compute calls release the GIL: other Python threads (the grammar masks' worker, the messenger)
   // run beside them
   m.def("paged_decode_attention", &decode, "fused paged decode attention (CPU)",

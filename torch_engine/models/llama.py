@@ -38,12 +38,18 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache, layer: int) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x).view(t, self.hq + 2 * self.hkv, self.d)
-        qk, v = qkv[:, : self.hq + self.hkv], qkv[:, self.hq + self.hkv :]
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.hq]), self.k_norm(qk[:, self.hq :])), dim=1)
-        qk = apply_rope(qk, meta.cos, meta.sin)  # q and k heads rotated together
-        q, k = qk[:, : self.hq], qk[:, self.hq :]
-        kv.write_kv(layer, k, v, meta.slot_pages, meta.slot_offsets)
+        fused = self.q_norm is None and kv.rope_write_kv(
+            layer, qkv, self.hq, meta.cos, meta.sin, meta.slot_pages, meta.slot_offsets
+        )
+        if fused:  # rotated in place, K / V stored
+            q = qkv[:, : self.hq]
+        else:
+            qk, v = qkv[:, : self.hq + self.hkv], qkv[:, self.hq + self.hkv :]
+            if self.q_norm is not None and self.k_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, : self.hq]), self.k_norm(qk[:, self.hq :])), dim=1)
+            qk = apply_rope(qk, meta.cos, meta.sin)  # q and k heads rotated together
+            q, k = qk[:, : self.hq], qk[:, self.hq :]
+            kv.write_kv(layer, k, v, meta.slot_pages, meta.slot_offsets)
 
         def decode(qd: torch.Tensor, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             lens = meta.decode_kv_lens
