@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -249,12 +250,165 @@ void all_rows(int64_t rows, const float* const* qr, const int64_t* lim, const fl
   for (; r < rows; ++r) rows_job<1, NV>(qr + r, lim + r, kt, vf, D, out + r);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 pages on AVX-512 BF16: the products of both matmuls by vdpbf16ps (two bf16 products a lane, summed in fp32),
+// half the instructions of the fp32 path. K of head h as blocks [S / KB][D / 2][KB] of d-pairs (lane t: key t's
+// (d, d + 1)), V as blocks [S / KB][KB / 2][D] of key pairs (lane d: (V[2t'][d], V[2t' + 1][d])); the bf16 pages'
+// values as they are (no rounding). The query's bf16 pairs are broadcast as they are; the probabilities are rounded
+// to bf16 before their products with V, as PyTorch's CPU flash attention rounds them for bf16 inputs (the scores,
+// the softmax and the sums stay fp32). SmolLM2, one thread, AVX-512 Zen 4: see BENCHMARKS.md.
+inline void convert_head_bf16(const at::BFloat16* pool, const int64_t* table, int64_t h, int64_t S, int64_t D,
+                              int64_t P, int64_t page_stride, int64_t head_stride, int64_t kv_stride,
+                              int64_t token_stride, uint32_t* kt, uint16_t* vt, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    uint32_t* kb = kt + b * (D / 2) * KB;
+    uint16_t* vb = vt + b * KB * D;  // [KB / 2][D][2] halves
+    for (int64_t t = 0; t < KB; ++t) {
+      const int64_t key = b * KB + t;
+      uint16_t* vrow = vb + (t / 2) * D * 2 + (t % 2);
+      if (key >= S) {
+        for (int64_t p = 0; p < D / 2; ++p) kb[p * KB + t] = 0;
+        for (int64_t d = 0; d < D; ++d) vrow[d * 2] = 0;
+        continue;
+      }
+      const int64_t at = table[key / P] * page_stride + h * head_stride + (key % P) * token_stride;
+      const uint16_t* k = reinterpret_cast<const uint16_t*>(pool + at);
+      for (int64_t p = 0; p < D / 2; ++p)
+        kb[p * KB + t] = static_cast<uint32_t>(k[2 * p]) | (static_cast<uint32_t>(k[2 * p + 1]) << 16);
+      for (int64_t d = 0; d < D; ++d) vrow[d * 2] = k[kv_stride + d];
+    }
+  }
+}
+
+// rows_job() on the bf16 layouts: R query rows (bf16, unscaled; their scores times `scale`), NV = D / 16.
+template <int R, int NV>
+void rows_job_bf16(const uint16_t* const* qr, const int64_t* lim, const uint32_t* kt, const uint32_t* vt, int64_t D,
+                   float scale, float* const* out) {
+  constexpr int64_t NA = NV > 0 ? NV : DMAX / 16;
+  const int64_t nv = NV > 0 ? NV : D / 16;
+  __m512 acc[R][NA];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+    for (int64_t v = 0; v < nv; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  int64_t last = 0;
+  for (int r = 0; r < R; ++r) last = std::max(last, lim[r]);
+  auto pair = [](const uint16_t* p) {
+    uint32_t w;
+    std::memcpy(&w, p, sizeof w);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w));
+  };
+  alignas(64) uint16_t pb[R][KB];  // a block's probabilities of each row, bf16
+  const __m512 sv_scale = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b * KB <= last; ++b) {
+    const uint32_t* kb = kt + b * (D / 2) * KB;
+    __m512 s0[R], s1[R];  // even and odd d-pairs: two chains a row
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * KB);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * KB);
+      for (int r = 0; r < R; ++r) {
+        s0[r] = _mm512_dpbf16_ps(s0[r], k0, pair(qr[r] + 2 * p));
+        s1[r] = _mm512_dpbf16_ps(s1[r], k1, pair(qr[r] + 2 * p + 2));
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // keys past the row's limit are -inf; the online softmax's update
+      const __mmask16 ok = Lanes::upto(b * KB, lim[r]);
+      const __m512 sv = Lanes::or_ninf(ok, _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), sv_scale));
+      const float top = std::max(m[r], _mm512_reduce_max_ps(sv));
+      const float c = std::exp(m[r] - top);
+      const __m512 e = _mm512_maskz_mov_ps(ok, disagg_attn::exp512(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+      l[r] = l[r] * c + _mm512_reduce_add_ps(e);
+      m[r] = top;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(e));
+      const __m512 cv = _mm512_set1_ps(c);
+      for (int64_t v = 0; v < nv; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], cv);
+    }
+    const int64_t pairs = (std::min<int64_t>(KB, last + 1 - b * KB) + 1) / 2;
+    const uint32_t* vb = vt + b * (KB / 2) * D;
+    for (int64_t t = 0; t < pairs; ++t) {
+      __m512bh pr[R];
+      for (int r = 0; r < R; ++r) pr[r] = pair(pb[r] + 2 * t);
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb + t * D + v * 16);
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], vv, pr[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(out[r] + v * 16, _mm512_mul_ps(acc[r][v], inv));
+  }
+}
+
+template <int NV>
+void all_rows_bf16(int64_t rows, const uint16_t* const* qr, const int64_t* lim, const uint32_t* kt, const uint32_t* vt,
+                   int64_t D, float scale, float* const* out) {
+  constexpr int RB = Lanes::RB;
+  int64_t r = 0;
+  for (; r + RB <= rows; r += RB) rows_job_bf16<RB, NV>(qr + r, lim + r, kt, vt, D, scale, out + r);
+  for (; r < rows; ++r) rows_job_bf16<1, NV>(qr + r, lim + r, kt, vt, D, scale, out + r);
+}
+
+// prefill_kernel() on bf16 pages and queries with vdpbf16ps.
+template <typename Par>
+void prefill_kernel_bf16(const at::BFloat16* q, const at::BFloat16* pool, const int64_t* table, at::BFloat16* out,
+                         int64_t L, int64_t first, int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t page_stride,
+                         int64_t head_stride, int64_t kv_stride, int64_t token_stride, float scale, const Par& par) {
+  const int64_t G = Hq / Hkv, S = first + L, nb = (S + KB - 1) / KB;
+  std::vector<uint32_t> kt(Hkv * nb * (D / 2) * KB), vt(Hkv * nb * (KB / 2) * D);
+  par(0, Hkv * nb, 4, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t h = j / nb, b = j % nb;
+      uint16_t* vh = reinterpret_cast<uint16_t*>(vt.data() + h * nb * (KB / 2) * D);
+      convert_head_bf16(pool, table, h, S, D, P, page_stride, head_stride, kv_stride, token_stride,
+                        kt.data() + h * nb * (D / 2) * KB, vh, b, b + 1);
+    }
+  });
+  const int64_t qblocks = (L + QB - 1) / QB;
+  par(0, Hkv * qblocks, 1, [&](int64_t j0, int64_t j1) {  // the jobs in prefill_kernel()'s order
+    std::vector<float> of(QB * G * D);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t h = j % Hkv, k = j / Hkv, qb = k % 2 == 0 ? k / 2 : qblocks - 1 - k / 2;
+      const int64_t i0 = qb * QB, n = std::min(QB, L - i0), rows = n * G;
+      std::vector<const uint16_t*> qr(rows);
+      std::vector<float*> orow(rows);
+      std::vector<int64_t> lim(rows);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          qr[r] = reinterpret_cast<const uint16_t*>(q + ((i0 + i) * Hq + h * G + g) * D);
+          orow[r] = of.data() + r * D;
+          lim[r] = first + i0 + i;
+        }
+      const uint32_t* kh = kt.data() + h * nb * (D / 2) * KB;
+      const uint32_t* vh = vt.data() + h * nb * (KB / 2) * D;
+      const auto run = D == 64 ? all_rows_bf16<4> : D == 128 ? all_rows_bf16<8> : all_rows_bf16<0>;
+      run(rows, qr.data(), lim.data(), kh, vh, D, scale, orow.data());
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          at::BFloat16* dst = out + ((i0 + i) * Hq + h * G + g) * D;
+          const float* o = of.data() + (i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(o[d]);
+        }
+    }
+  });
+}
+#endif
+
 // The whole chunk: q [L, Hq, D] and out [L, Hq, D] in T (fp32 or bf16), the pool's pages as
 // paged_decode_attention takes them, table the sequence's pages in token order.
 template <typename T, typename Par>
 void prefill_kernel(const T* q, const T* pool, const int64_t* table, T* out, int64_t L, int64_t first, int64_t Hq,
                     int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t head_stride, int64_t kv_stride,
                     int64_t token_stride, float scale, const Par& par) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    return prefill_kernel_bf16(q, pool, table, out, L, first, Hq, Hkv, D, P, page_stride, head_stride, kv_stride,
+                               token_stride, scale, par);
+#endif
   const int64_t G = Hq / Hkv, S = first + L, nb = (S + KB - 1) / KB;
   std::vector<float> kt(Hkv * nb * D * KB), vf(Hkv * nb * KB * D);
   par(0, Hkv * nb, 4, [&](int64_t j0, int64_t j1) {
