@@ -250,6 +250,31 @@ void all_rows(int64_t rows, const float* const* qr, const int64_t* lim, const fl
   for (; r < rows; ++r) rows_job<1, NV>(qr + r, lim + r, kt, vf, D, out + r);
 }
 
+// Every job of a chunk, (KV head h, the QB query positions from i0: its G query heads' rows r = i * G + g), in the
+// order 0, last, 1, last - 1, ... (a causal block's cost grows with its position, so any contiguous share of the
+// jobs, at::parallel_for's split, holds as much work as another): fn(h, i0, n, lim, of) computes the job's n * G
+// rows (row r's last visible key lim[r]) into of (fp32 rows of D), which then go to out (in T).
+template <typename T, typename Par, typename Fn>
+void run_jobs(T* out, int64_t L, int64_t first, int64_t Hq, int64_t Hkv, int64_t D, const Par& par, const Fn& fn) {
+  const int64_t G = Hq / Hkv, qblocks = (L + QB - 1) / QB;
+  par(0, Hkv * qblocks, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> of(QB * G * D);
+    std::vector<int64_t> lim(QB * G);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t h = j % Hkv, k = j / Hkv, qb = k % 2 == 0 ? k / 2 : qblocks - 1 - k / 2;
+      const int64_t i0 = qb * QB, n = std::min(QB, L - i0);
+      for (int64_t r = 0; r < n * G; ++r) lim[r] = first + i0 + r / G;
+      fn(h, i0, n, lim.data(), of.data());
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          T* dst = out + ((i0 + i) * Hq + h * G + g) * D;
+          const float* o = of.data() + (i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d]);
+        }
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 // bf16 pages on AVX-512 BF16: the products of both matmuls by vdpbf16ps (two bf16 products a lane, summed in fp32),
 // half the instructions of the fp32 path. K of head h as blocks [S / KB][D / 2][KB] of d-pairs (lane t: key t's
@@ -367,33 +392,16 @@ void prefill_kernel_bf16(const at::BFloat16* q, const at::BFloat16* pool, const 
                         kt.data() + h * nb * (D / 2) * KB, vh, b, b + 1);
     }
   });
-  const int64_t qblocks = (L + QB - 1) / QB;
-  par(0, Hkv * qblocks, 1, [&](int64_t j0, int64_t j1) {  // the jobs in prefill_kernel()'s order
-    std::vector<float> of(QB * G * D);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t h = j % Hkv, k = j / Hkv, qb = k % 2 == 0 ? k / 2 : qblocks - 1 - k / 2;
-      const int64_t i0 = qb * QB, n = std::min(QB, L - i0), rows = n * G;
-      std::vector<const uint16_t*> qr(rows);
-      std::vector<float*> orow(rows);
-      std::vector<int64_t> lim(rows);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g;
-          qr[r] = reinterpret_cast<const uint16_t*>(q + ((i0 + i) * Hq + h * G + g) * D);
-          orow[r] = of.data() + r * D;
-          lim[r] = first + i0 + i;
-        }
-      const uint32_t* kh = kt.data() + h * nb * (D / 2) * KB;
-      const uint32_t* vh = vt.data() + h * nb * (KB / 2) * D;
-      const auto run = D == 64 ? all_rows_bf16<4> : D == 128 ? all_rows_bf16<8> : all_rows_bf16<0>;
-      run(rows, qr.data(), lim.data(), kh, vh, D, scale, orow.data());
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          at::BFloat16* dst = out + ((i0 + i) * Hq + h * G + g) * D;
-          const float* o = of.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(o[d]);
-        }
+  run_jobs(out, L, first, Hq, Hkv, D, par, [&](int64_t h, int64_t i0, int64_t n, const int64_t* lim, float* of) {
+    std::vector<const uint16_t*> qr(n * G);
+    std::vector<float*> orow(n * G);
+    for (int64_t r = 0; r < n * G; ++r) {
+      qr[r] = reinterpret_cast<const uint16_t*>(q + ((i0 + r / G) * Hq + h * G + r % G) * D);
+      orow[r] = of + r * D;
     }
+    const auto rows = D == 64 ? all_rows_bf16<4> : D == 128 ? all_rows_bf16<8> : all_rows_bf16<0>;
+    rows(n * G, qr.data(), lim, kt.data() + h * nb * (D / 2) * KB, vt.data() + h * nb * (KB / 2) * D, D, scale,
+         orow.data());
   });
 }
 #endif
@@ -418,38 +426,19 @@ void prefill_kernel(const T* q, const T* pool, const int64_t* table, T* out, int
                    kt.data() + h * nb * D * KB, vf.data() + h * nb * KB * D, b, b + 1);
     }
   });
-  const int64_t qblocks = (L + QB - 1) / QB;
-  // query blocks in the order 0, last, 1, last - 1, ...: a causal block's cost grows with its position, so
-  // any contiguous share of the jobs (at::parallel_for's split) holds as much work as another
-  par(0, Hkv * qblocks, 1, [&](int64_t j0, int64_t j1) {
-    std::vector<float> qf(QB * G * D), of(QB * G * D);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t h = j % Hkv, k = j / Hkv, qb = k % 2 == 0 ? k / 2 : qblocks - 1 - k / 2;
-      const int64_t i0 = qb * QB, n = std::min(QB, L - i0), rows = n * G;
-      std::vector<const float*> qr(rows);
-      std::vector<float*> orow(rows);
-      std::vector<int64_t> lim(rows);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g;
-          const T* src = q + ((i0 + i) * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qf[r * D + d] = at_f(src + d) * scale;
-          qr[r] = qf.data() + r * D;
-          orow[r] = of.data() + r * D;
-          lim[r] = first + i0 + i;
-        }
-      const float* kh = kt.data() + h * nb * D * KB;
-      const float* vh = vf.data() + h * nb * KB * D;
-      constexpr int64_t N = Lanes::N;
-      const auto run = D == 4 * N ? all_rows<4> : D == 8 * N ? all_rows<8> : D == 16 * N ? all_rows<16> : all_rows<0>;
-      run(rows, qr.data(), lim.data(), kh, vh, D, orow.data());
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          T* dst = out + ((i0 + i) * Hq + h * G + g) * D;
-          const float* o = of.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d]);
-        }
+  run_jobs(out, L, first, Hq, Hkv, D, par, [&](int64_t h, int64_t i0, int64_t n, const int64_t* lim, float* of) {
+    std::vector<float> qf(n * G * D);
+    std::vector<const float*> qr(n * G);
+    std::vector<float*> orow(n * G);
+    for (int64_t r = 0; r < n * G; ++r) {
+      const T* src = q + ((i0 + r / G) * Hq + h * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = at_f(src + d) * scale;
+      qr[r] = qf.data() + r * D;
+      orow[r] = of + r * D;
     }
+    constexpr int64_t N = Lanes::N;
+    const auto rows = D == 4 * N ? all_rows<4> : D == 8 * N ? all_rows<8> : D == 16 * N ? all_rows<16> : all_rows<0>;
+    rows(n * G, qr.data(), lim, kt.data() + h * nb * D * KB, vf.data() + h * nb * KB * D, D, orow.data());
   });
 }
 #endif
