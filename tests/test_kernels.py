@@ -18,15 +18,19 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels could n
 @pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])  # the vector path and the plain loops
-def test_paged_decode_attention_equals_gather_and_softmax(layout: KVLayout, dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("page", [16, 5])  # a chunk a page; chunks that start and end inside pages
+def test_paged_decode_attention_equals_gather_and_softmax(
+    layout: KVLayout, dtype: torch.dtype, head_dim: int, page: int
+) -> None:
     torch.manual_seed(0)
-    kv = PagedKVCache(KVCacheSpec(1, 40, 16, layout, dtype, kv_heads=3, head_dim=head_dim))
+    kv = PagedKVCache(KVCacheSpec(1, 40, page, layout, dtype, kv_heads=3, head_dim=head_dim))
     kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))
     kv.kernels = KERNELS
-    table = torch.randint(0, 40, (5, 6))
+    width = -(-96 // page)
+    table = torch.randint(0, 40, (5, width))
     lens = torch.tensor([1, 17, 50, 96, 33])  # a lone token, page edges, a full table
     q = (3 * torch.randn(5, 9, head_dim)).to(dtype)
-    mask = (torch.arange(6 * 16)[None] < lens[:, None])[:, None, None, :]
+    mask = (torch.arange(width * page)[None] < lens[:, None])[:, None, None, :]
     want = decode_attention(q, *kv.gather_pages_kv(0, table), mask, 0.125)
     got = kv.decode_attention(0, q, table, lens, 0.125)
     assert got is not None and got.dtype == dtype
@@ -67,6 +71,28 @@ def test_paged_prefill_attention_equals_causal_sdpa(
     assert got is not None and got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
     assert kv.prefill_attention(0, q[:, :, :24].contiguous(), table, first, 0.125) is None  # 24: not a multiple of 16
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 49, 1000, 49152])
+def test_argmax_rows_equals_torch_argmax(width: int) -> None:
+    """Greedy sampling's argmax: the first index of the largest value (ties, -inf rows, +inf), of the first
+    NaN where a row has one, at widths below, at and past a vector and with a tail."""
+    assert KERNELS is not None
+    torch.manual_seed(width)
+    x = torch.randn(12, width)
+    x[1] = 0.0  # every value tied: the first
+    x[2] = float("-inf")
+    if width > 3:
+        x[3, width // 2] = x[3, width - 1] = 1e30  # a tie between a vector lane and the tail
+        x[4, width // 3] = float("inf")
+        x[5, width - 2] = float("nan")
+        x[5, width - 1] = float("inf")
+        x[6, 1] = x[6, width - 1] = float("nan")  # the first NaN, not the last
+    x[7] = torch.randint(0, 3, (width,)).float()  # many ties
+    x[8, -1] = float("nan")  # a NaN in the last place (the tail, or the last vector)
+    got = KERNELS.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    assert torch.equal(KERNELS.argmax_rows(x[:0]), x[:0].argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

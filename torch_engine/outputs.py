@@ -80,7 +80,7 @@ def pick(
     for j, c in enumerate(sampled):  # the grammar's mask last: no penalty can bring a masked token back
         if c.request.grammar is not None and (error := _constrain(chosen, [j], c, masks, kernels)) is not None:
             failed[j] = error.error or ""
-    tokens = sample(chosen, params, [r.sampler for r in reqs], failed)
+    tokens = sample(chosen, params, [r.sampler for r in reqs], failed, kernels)
     wanted = [j for j, p in enumerate(params) if p.logprobs is not None and j not in failed]
     logprobs: dict[int, TokenLogprobs] = {}
     if wanted:

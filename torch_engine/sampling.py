@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -217,12 +218,17 @@ def sample(
     params: list[SamplingParams],
     states: list[SamplerState],
     failures: dict[int, str] | None = None,
+    kernels: ModuleType | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` (``[S, V]``). With ``failures``, a row whose sampling fails
     gets -1 and its reason there (that request fails; the other rows are sampled as usual);
-    without, the failure is raised."""
+    without, the failure is raised. ``kernels``: the CPU kernels, whose ``argmax_rows`` is
+    ``torch.argmax`` in one vector pass (PyTorch's takes ~1 ns a value on the CPU)."""
     logits = logits.float()
-    out = logits.argmax(dim=-1).tolist()
+    if kernels is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
+        out = kernels.argmax_rows(logits).tolist()
+    else:
+        out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
