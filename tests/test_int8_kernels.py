@@ -77,7 +77,9 @@ def test_the_paths_this_cpu_runs_are_compiled(paths: dict[str, ctypes.CDLL]) -> 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (200, 320, 3), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
+@pytest.mark.parametrize(
+    ("n", "k", "rows"), [(48, 64, 1), (200, 320, 3), (37, 96, 9), (64, 128, 16), (80, 64, 20), (40, 64, 40)]
+)
 def test_every_path_computes_the_product_of_the_quantized_activations(
     paths: dict[str, ctypes.CDLL], kind: QuantKind, n: int, k: int, rows: int
 ) -> None:
@@ -126,7 +128,7 @@ def test_every_path_takes_q8_0_quants_of_the_full_int8_range(paths: dict[str, ct
         assert np.all(np.abs(y - xq @ w.T) <= 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6), lvl
 
 
-@pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20)])
+@pytest.mark.parametrize(("n", "k", "rows"), [(48, 64, 1), (37, 96, 9), (64, 128, 16), (80, 64, 20), (40, 64, 40)])
 @pytest.mark.parametrize(
     ("src", "dst"),
     [
@@ -141,8 +143,8 @@ def test_every_path_computes_the_same_values_in_two_formats_the_same(
 ) -> None:
     """The builder's exact changes of format (Q5_0 -> the Q8_0 blocks ``d * (q - 16)``; Q4_1 -> Q5_1, the 5th bits
     0; IQ4_NL -> the Q8_0 blocks of its table's values; Q3_K -> Q6_K, the quants + 28) keep the integer sums, so the
-    SIMD paths' results are bit-identical between them, the scalar loops' within float rounding (20 rows take the
-    per-group unpacking on AVX-512)."""
+    SIMD paths' results are bit-identical between them, the scalar loops' within float rounding (on AVX-512 16 and 20
+    rows take a 16-row tile, 40 the per-group unpacking)."""
     from builders.gguf_convert import _as
 
     k = -(-k // src.block_weights) * src.block_weights  # Q3_K: whole super-blocks of 256

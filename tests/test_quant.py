@@ -290,7 +290,7 @@ def test_cuts_and_stacks_of_every_kind_dequantise_to_the_dense_ones(kind: QuantK
     assert torch.equal(Packed.from_tensors(kind, "w", state).dequantize(), dense) and not state
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 40])
 @pytest.mark.parametrize(
     ("src", "dst"),
     [(QuantKind.Q5_0, QuantKind.Q8_0), (QuantKind.Q4_1, QuantKind.Q5_1), (QuantKind.Q3_K, QuantKind.Q6_K)],
@@ -299,9 +299,9 @@ def test_the_same_values_in_two_formats_compute_the_same(
     kernels: ModuleType, rows: int, src: QuantKind, dst: QuantKind
 ) -> None:
     """The builder's exact changes of format keep the integer sums, so the GEMM's result is bit-identical (the SIMD
-    kernels), at decode row counts and past the per-group unpacking: Q5_0 as the Q8_0 ``d * (q - 16)`` it was
-    converted to before it was kept; Q4_1 as Q5_1 (the 5th bits 0: a fused group of Q4_1 and Q5 weights); Q3_K as
-    the Q6_K it was converted to before it was kept (the quants + 28)."""
+    kernels), at decode row counts, in 16-row tiles and past the per-group unpacking: Q5_0 as the Q8_0
+    ``d * (q - 16)`` it was converted to before it was kept; Q4_1 as Q5_1 (the 5th bits 0: a fused group of Q4_1 and
+    Q5 weights); Q3_K as the Q6_K it was converted to before it was kept (the quants + 28)."""
     from builders.gguf_convert import _as
 
     k = _cols(src, 320)
@@ -319,6 +319,8 @@ def test_the_same_values_in_two_formats_compute_the_same(
 @pytest.mark.parametrize(
     "kind",
     [
+        QuantKind.Q8_0,
+        QuantKind.Q4_1,
         QuantKind.Q5_0,
         QuantKind.Q5_1,
         QuantKind.Q5_K,
@@ -331,12 +333,13 @@ def test_the_same_values_in_two_formats_compute_the_same(
 )
 def test_a_row_computes_the_same_alone_and_among_many(kernels: ModuleType, kind: QuantKind) -> None:
     """Every row count takes its own path (one row: two accumulation chains; tiles of 4 / 8 rows and their
-    remainders; past 16 rows on AVX-512, each group unpacked to a byte a weight first) and all compute the same
-    integer sums in the same float order: 40 rows at once equal each row alone, bit for bit (SIMD kernels)."""
+    remainders; on AVX-512 tiles of 16 first, and past 32 rows each group unpacked to a byte a weight first, its tiles
+    of 8) and all compute the same integer sums in the same float order: 24 and 40 rows at once equal each row alone,
+    bit for bit (SIMD kernels)."""
     p, _ = _packed(kind, 72, 256, seed=5)
     g = group(p, kernels)
     x, bias = torch.randn(40, 256), torch.randn(72)
-    together = g.gemm(kernels, x, bias)
     alone = torch.cat([g.gemm(kernels, x[r : r + 1], bias) for r in range(40)])
     same = torch.equal if kernels.i8_path() != "scalar" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
-    assert same(together, alone)
+    assert same(g.gemm(kernels, x, bias), alone)
+    assert same(g.gemm(kernels, x[:24], bias), alone[:24])

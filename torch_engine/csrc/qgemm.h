@@ -36,8 +36,9 @@
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
-//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (past 16
-//                rows each group of Q5 / Q6_K / Q3_K / IQ4_NL unpacked once to a byte a weight: groups_unpacked);
+//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (tiles of 16 rows
+//                first up to 32 rows; past 32 rows each group of Q5 / Q6_K / Q3_K / IQ4_NL unpacked once to a byte
+//                a weight: groups_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 and IQ4_NL by the sign trick (|w| x sign(x, w));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
@@ -447,6 +448,14 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   }
 }
 constexpr int TILE_ROWS = 8;
+// Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first: each block of the weight as
+// stored is loaded and unpacked once for 16 rows, not twice (16 accumulators + 8 weight vectors of the 32
+// registers). One thread, SmolLM2's shapes, 16 rows, against 8-row tiles (2026-12-05, AVX-512 Zen 4): Q5_0
+// 1.03-1.08x, Q6_K 1.09x, the 49,152-row Q8_0 lm_head 0.9-1.13x (noisy: its 28 MB come from L3 / DRAM), Q4_K / Q4_1
+// / Q8_0 even. Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with 16-row tiles (the copy is in L1),
+// and the other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
+constexpr int WIDE_ROWS = 16;
+constexpr int64_t WIDE_MAX_ROWS = 2 * WIDE_ROWS;
 
 // One Q5 / Q6_K / Q3_K / Q2_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same
 // values (q - 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as
@@ -795,7 +804,13 @@ constexpr Kind unpacked_kind() {
 // FFN-down; Q6_K ran at 0.77x of Q8_0's time without the copy, 0.84-0.88x with).
 // On AVX2 only Q3_K (into its Q6_K form): its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned
 // products there (the AVX2 build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
-constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;  // more rows than this: unpack first
+// More rows than this: unpack first. AVX-512: as many as 16-row tiles take (Q5_0 / Q6_K at 24 and 32 rows
+// 1.03-1.08x the copy's rate, 2026-12-05); AVX2: two tiles.
+#if defined(DISAGG_I8_AVX512)
+constexpr int64_t UNPACK_ROWS = WIDE_MAX_ROWS;
+#else
+constexpr int64_t UNPACK_ROWS = 2 * TILE_ROWS;
+#endif
 
 template <Kind KD>
 inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y,
@@ -829,6 +844,10 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
 #endif
   for (int64_t g = g0; g < g1; ++g) {
     int64_t r = 0;
+#if defined(DISAGG_I8_AVX512)
+    if (R <= WIDE_MAX_ROWS)
+      for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+#endif
     for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
     switch (R - r) {
       case 7: group_tile<KD, 7>(w, x, r, g, y, ldy, bias, accumulate); break;
