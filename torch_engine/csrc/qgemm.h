@@ -81,7 +81,7 @@ inline void prefetch_block(const uint8_t* p) {
 }
 // GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K / U8_Q2K, never stored: a Q5_1 / Q5_K / Q6_K (or Q3_K) / Q2_K group
 // unpacked to one unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28; Q2_K's times
-// their 4-bit scale), the source's scales and minimums), which AVX-512 computes past 16 rows.
+// their 4-bit scale), the source's scales and minimums), which AVX-512 computes past 32 rows.
 enum Kind : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
   U8_MIN = 1007, U8_Q2K = 1010, U8_K5 = 1013, U8_Q6K = 1014
@@ -451,9 +451,10 @@ constexpr int TILE_ROWS = 8;
 // Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first: each block of the weight as
 // stored is loaded and unpacked once for 16 rows, not twice (16 accumulators + 8 weight vectors of the 32
 // registers). One thread, SmolLM2's shapes, 16 rows, against 8-row tiles (2026-12-05, AVX-512 Zen 4): Q5_0
-// 1.03-1.08x, Q6_K 1.09x, the 49,152-row Q8_0 lm_head 0.9-1.13x (noisy: its 28 MB come from L3 / DRAM), Q4_K / Q4_1
-// / Q8_0 even. Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with 16-row tiles (the copy is in L1),
-// and the other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
+// 1.03-1.08x, Q6_K 1.08-1.11x, Q4_K 1.00-1.04x, the 49,152-row Q8_0 lm_head (28 MB from L3 / DRAM) 0.9-1.2x, noisy; a
+// Q8_0 weight in cache 0.96-1.00x; SmolLM2 Q4_K_M's batch-16 step 1.04x / 1.07x at 1 / 2 threads (BENCHMARKS.md).
+// Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with 16-row tiles (the copy is in L1), and the
+// other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
 constexpr int WIDE_ROWS = 16;
 constexpr int64_t WIDE_MAX_ROWS = 2 * WIDE_ROWS;
 
@@ -845,8 +846,9 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
   for (int64_t g = g0; g < g1; ++g) {
     int64_t r = 0;
 #if defined(DISAGG_I8_AVX512)
-    if (R <= WIDE_MAX_ROWS)
-      for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+    if constexpr (KD < U8_MIN)  // (the unpacked copies' kinds run past WIDE_MAX_ROWS only)
+      if (R <= WIDE_MAX_ROWS)
+        for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
 #endif
     for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
     switch (R - r) {
