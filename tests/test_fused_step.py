@@ -209,7 +209,7 @@ def test_long_sequences_in_parts_on_bf16_pages(kernels: object, quantized: dict)
 
 
 def test_many_rows_take_every_tile_size(kernels: object, quantized: dict) -> None:
-    """29 rows in a step: every row tile of the GEMM (16, 8 and a remainder of 5). Past 16 rows the
+    """29 rows in a step: a 16-row tile of the GEMM and a 13-row one (on AVX-512). Past 16 rows the
     eager model's GEMMs run on the dequantised weight (no activation rounding) while the fused step
     stays on the integer kernel, so the tolerance is the activations' rounding, as in the whole-model
     test."""

@@ -143,8 +143,8 @@ def test_every_path_computes_the_same_values_in_two_formats_the_same(
 ) -> None:
     """The builder's exact changes of format (Q5_0 -> the Q8_0 blocks ``d * (q - 16)``; Q4_1 -> Q5_1, the 5th bits
     0; IQ4_NL -> the Q8_0 blocks of its table's values; Q3_K -> Q6_K, the quants + 28) keep the integer sums, so the
-    SIMD paths' results are bit-identical between them, the scalar loops' within float rounding (on AVX-512 16 and 20
-    rows take a 16-row tile, 40 the per-group unpacking)."""
+    SIMD paths' results are bit-identical between them, the scalar loops' within float rounding (on AVX-512 9 rows
+    take a 9-row tile, 16 and 20 a 16-row one, 40 the per-group unpacking)."""
     from builders.gguf_convert import _as
 
     k = -(-k // src.block_weights) * src.block_weights  # Q3_K: whole super-blocks of 256

@@ -36,9 +36,9 @@
 //
 // Paths, picked by the compiler flags this file is built with (-march=native: the CPU at hand):
 //   avx512-vnni  vpdpbusd (u8 x s8 -> s32) on 512-bit vectors; Q8 weights offset by +128 (u8) and the
-//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (tiles of 16 rows
-//                first up to 32 rows; past 32 rows each group of Q5 / Q6_K / Q3_K / IQ4_NL unpacked once to a byte
-//                a weight: groups_unpacked);
+//                offset's 128 * s taken off again; Q5's 5th bits added under their byte masks (up to 32 rows
+//                tiles of 16 and of 9-15 first; past 32 rows each group of Q5 / Q6_K / Q3_K / IQ4_NL unpacked once to
+//                a byte a weight: groups_unpacked);
 //   avx2         vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way); Q8 and IQ4_NL by the sign trick (|w| x sign(x, w));
 //   scalar       plain loops (any CPU).
 // Each computes the same integer sums; only the float accumulation order differs.
@@ -448,13 +448,14 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   }
 }
 constexpr int TILE_ROWS = 8;
-// Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first: each block of the weight as
-// stored is loaded and unpacked once for 16 rows, not twice (16 accumulators + 8 weight vectors of the 32
-// registers). One thread, SmolLM2's shapes, 16 rows, against 8-row tiles (2026-12-05, AVX-512 Zen 4): Q5_0
-// 1.03-1.08x, Q6_K 1.08-1.11x, Q4_K 1.00-1.04x, the 49,152-row Q8_0 lm_head (28 MB from L3 / DRAM) 0.9-1.2x, noisy; a
-// Q8_0 weight in cache 0.96-1.00x; SmolLM2 Q4_K_M's batch-16 step 1.04x / 1.07x at 1 / 2 threads (BENCHMARKS.md).
-// Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with 16-row tiles (the copy is in L1), and the
-// other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
+// Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first, and 9-15 rows left as one tile:
+// each block of the weight as stored is loaded and unpacked once for up to 16 rows, not twice (16 accumulators + 8
+// weight vectors of the 32 registers). One thread, SmolLM2's shapes, against 8-row tiles and the rest (2026-12-05,
+// AVX-512 Zen 4): at 16 rows Q5_0 1.03-1.08x, Q6_K 1.08-1.11x, Q4_K 1.00-1.04x, the 49,152-row Q8_0 lm_head (28 MB
+// from L3 / DRAM) 0.9-1.2x, noisy, a Q8_0 weight in cache 0.96-1.00x; at 9 rows 1.05-1.15x, 12 rows 1.04-1.11x, 15
+// rows 1.03-1.09x (a Q8_0 weight in cache 0.97-0.99x), the lm_head 1.0-1.5x; SmolLM2 Q4_K_M's batch-16 step 1.04x /
+// 1.07x at 1 / 2 threads (BENCHMARKS.md). Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with
+// 16-row tiles (the copy is in L1), and the other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
 constexpr int WIDE_ROWS = 16;
 constexpr int64_t WIDE_MAX_ROWS = 2 * WIDE_ROWS;
 
@@ -846,9 +847,21 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
   for (int64_t g = g0; g < g1; ++g) {
     int64_t r = 0;
 #if defined(DISAGG_I8_AVX512)
-    if constexpr (KD < U8_MIN)  // (the unpacked copies' kinds run past WIDE_MAX_ROWS only)
-      if (R <= WIDE_MAX_ROWS)
+    if constexpr (KD < U8_MIN) {  // (the unpacked copies' kinds run past WIDE_MAX_ROWS only)
+      if (R <= WIDE_MAX_ROWS) {
         for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+        switch (R - r) {  // 9-15 rows left: one tile (`continue`: this group is done)
+          case 15: group_tile<KD, 15>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 14: group_tile<KD, 14>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 13: group_tile<KD, 13>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 12: group_tile<KD, 12>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 11: group_tile<KD, 11>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 10: group_tile<KD, 10>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          case 9: group_tile<KD, 9>(w, x, r, g, y, ldy, bias, accumulate); continue;
+          default: break;
+        }
+      }
+    }
 #endif
     for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
     switch (R - r) {
