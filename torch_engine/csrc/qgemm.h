@@ -448,16 +448,6 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   }
 }
 constexpr int TILE_ROWS = 8;
-// Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first, and 9-15 rows left as one tile:
-// each block of the weight as stored is loaded and unpacked once for up to 16 rows, not twice (16 accumulators + 8
-// weight vectors of the 32 registers). One thread, SmolLM2's shapes, against 8-row tiles and the rest (2026-12-05,
-// AVX-512 Zen 4): at 16 rows Q5_0 1.03-1.08x, Q6_K 1.08-1.11x, Q4_K 1.00-1.04x, the 49,152-row Q8_0 lm_head (28 MB
-// from L3 / DRAM) 0.9-1.2x, noisy, a Q8_0 weight in cache 0.96-1.00x; at 9 rows 1.05-1.15x, 12 rows 1.04-1.11x, 15
-// rows 1.03-1.09x (a Q8_0 weight in cache 0.97-0.99x), the lm_head 1.0-1.5x; SmolLM2 Q4_K_M's batch-16 step 1.04x /
-// 1.07x at 1 / 2 threads (BENCHMARKS.md). Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with
-// 16-row tiles (the copy is in L1), and the other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
-constexpr int WIDE_ROWS = 16;
-constexpr int64_t WIDE_MAX_ROWS = 2 * WIDE_ROWS;
 
 // One Q5 / Q6_K / Q3_K / Q2_K / IQ4_NL block -> a byte a weight in Q8's layout: Q5_0's as the Q8_0 block of the same
 // values (q - 16, signed), IQ4_NL's likewise (its table's values), Q5_1's as U8_MIN, Q5_K's as U8_K5 and Q6_K's as
@@ -779,6 +769,17 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
 constexpr int TILE_ROWS = 4;
 #endif
 
+// Decode-sized calls (up to WIDE_MAX_ROWS rows) take their rows 16 at a time first, and 9-15 rows left as one tile:
+// each block of the weight as stored is loaded and unpacked once for up to 16 rows, not twice (16 accumulators + 8
+// weight vectors of the 32 registers). One thread, SmolLM2's shapes, against 8-row tiles and the rest (2026-12-05,
+// AVX-512 Zen 4): at 16 rows Q5_0 1.03-1.08x, Q6_K 1.08-1.11x, Q4_K 1.00-1.04x, the 49,152-row Q8_0 lm_head (28 MB
+// from L3 / DRAM) 0.9-1.2x, noisy, a Q8_0 weight in cache 0.96-1.00x; at 9 rows 1.05-1.15x, 12 rows 1.04-1.11x, 15
+// rows 1.03-1.09x (a Q8_0 weight in cache 0.97-0.99x), the lm_head 1.0-1.5x; SmolLM2 Q4_K_M's batch-16 step 1.04x /
+// 1.07x at 1 / 2 threads (BENCHMARKS.md). Not past it: the unpacked copy (groups_unpacked) ran 0.95-0.98x with
+// 16-row tiles (the copy is in L1), and the other kinds at 256 rows 0.98-1.07x across runs, no clear gain.
+constexpr int WIDE_ROWS = 16;
+constexpr int64_t WIDE_MAX_ROWS = 2 * WIDE_ROWS;
+
 // Groups [g0, g1) of every row of x: the caller splits groups over threads.
 template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
@@ -806,8 +807,8 @@ constexpr Kind unpacked_kind() {
 // FFN-down; Q6_K ran at 0.77x of Q8_0's time without the copy, 0.84-0.88x with).
 // On AVX2 only Q3_K (into its Q6_K form): its Q8_0 kernel (the sign trick) costs more per row than Q5_0's unsigned
 // products there (the AVX2 build's GEMMs at 9 rows 0.87x, at 64 rows 0.96x of Q8_0's with the copy).
-// More rows than this: unpack first. AVX-512: as many as 16-row tiles take (Q5_0 / Q6_K at 24 and 32 rows
-// 1.03-1.08x the copy's rate, 2026-12-05); AVX2: two tiles.
+// More rows than this: unpack first. AVX-512: past the decode-sized calls, which 16-row tiles take (Q5_0 / Q6_K at 24
+// and 32 rows 1.03-1.08x the copy's rate, 2026-12-05); AVX2: two tiles.
 #if defined(DISAGG_I8_AVX512)
 constexpr int64_t UNPACK_ROWS = WIDE_MAX_ROWS;
 #else
@@ -836,6 +837,24 @@ inline void groups_unpacked(const Q16& w, const ActQ8& x, int64_t R, int64_t g0,
 }
 #endif
 
+// AVX-512's decode-sized calls in 16-row tiles (WIDE_ROWS), for the kinds stored (the unpacked copies' kinds run
+// past WIDE_MAX_ROWS only).
+template <Kind KD>
+constexpr bool wide_tiles() {
+#if defined(DISAGG_I8_AVX512)
+  return KD < U8_MIN;
+#else
+  return false;
+#endif
+}
+
+// The n rows from r0 as one tile, n in 1 .. sizeof...(N): group_tile<KD, n>.
+template <Kind KD, int... N>
+inline void last_tile(int64_t n, std::integer_sequence<int, N...>, const Q16& w, const ActQ8& x, int64_t r0, int64_t g,
+                      float* y, int64_t ldy, const float* bias, bool accumulate) {
+  static_cast<void>(((n == N + 1 && (group_tile<KD, N + 1>(w, x, r0, g, y, ldy, bias, accumulate), true)) || ...));
+}
+
 template <Kind KD>
 inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int64_t g1, float* y, int64_t ldy,
                         const float* bias, bool accumulate) {
@@ -844,36 +863,19 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     if (R > UNPACK_ROWS) return groups_unpacked<KD>(w, x, R, g0, g1, y, ldy, bias, accumulate);
   }
 #endif
+  // the rows left after the full tiles go as one tile: up to 15 of them in AVX-512's decode-sized calls, else fewer
+  // than TILE_ROWS
+  constexpr int MOST_LEFT = wide_tiles<KD>() ? WIDE_ROWS - 1 : TILE_ROWS - 1;
   for (int64_t g = g0; g < g1; ++g) {
-    int64_t r = 0;
-#if defined(DISAGG_I8_AVX512)
-    if constexpr (KD < U8_MIN) {  // (the unpacked copies' kinds run past WIDE_MAX_ROWS only)
+    int64_t r = 0, left = TILE_ROWS - 1;
+    if constexpr (wide_tiles<KD>())
       if (R <= WIDE_MAX_ROWS) {
         for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
-        switch (R - r) {  // 9-15 rows left: one tile (`continue`: this group is done)
-          case 15: group_tile<KD, 15>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 14: group_tile<KD, 14>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 13: group_tile<KD, 13>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 12: group_tile<KD, 12>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 11: group_tile<KD, 11>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 10: group_tile<KD, 10>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          case 9: group_tile<KD, 9>(w, x, r, g, y, ldy, bias, accumulate); continue;
-          default: break;
-        }
+        left = WIDE_ROWS - 1;
       }
-    }
-#endif
-    for (; r + TILE_ROWS <= R; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
-    switch (R - r) {
-      case 7: group_tile<KD, 7>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 6: group_tile<KD, 6>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 5: group_tile<KD, 5>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 4: group_tile<KD, 4>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 3: group_tile<KD, 3>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 2: group_tile<KD, 2>(w, x, r, g, y, ldy, bias, accumulate); break;
-      case 1: group_tile<KD, 1>(w, x, r, g, y, ldy, bias, accumulate); break;
-      default: break;
-    }
+    for (; R - r > left; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+    if (r < R)
+      last_tile<KD>(R - r, std::make_integer_sequence<int, MOST_LEFT>{}, w, x, r, g, y, ldy, bias, accumulate);
   }
 }
 
