@@ -7,7 +7,8 @@ called ``split()`` / ``unsplit()``, defined only under ``__AVX512F__``, from cod
 on AVX2-only CPUs no kernel built at all. Here the sources are built for real for ``x86-64-v3`` (AVX2 +
 FMA + F16C: what an AVX2-only CPU builds, into the build cache, which ``tests/e2e/test_avx2_build.py``
 shares: whichever runs first builds it) and each is compiled (syntax and templates, no code generated) for
-``x86-64`` (the scalar loops).
+``x86-64`` (the scalar loops) and for ``sapphirerapids`` (AVX-512 F / BW / VL / VNNI / BF16: the branches a build
+on an AVX2-only machine, CI's included, never sees).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.cpp_extension import include_paths
 from torch_engine.kernels import CFLAGS, SOURCES
 
 BUILT = "x86-64-v3"  # compiled and linked, as the engine builds it
-CHECKED = "x86-64"  # syntax and templates only
+CHECKED = ("x86-64", "sapphirerapids")  # syntax and templates only
 
 
 def _check(source: Path, level: str) -> tuple[str, str]:
@@ -50,6 +51,7 @@ def test_every_kernel_source_compiles_for_every_cpu_class() -> None:
         pytest.skip("no C++ compiler here (the engine then runs PyTorch ops)")
     with ThreadPoolExecutor(max_workers=2) as pool:
         built = pool.submit(_build, BUILT)
-        results = [*pool.map(lambda source: _check(source, CHECKED), SOURCES), built.result()]
+        checked = pool.map(lambda job: _check(*job), [(source, level) for level in CHECKED for source in SOURCES])
+        results = [*checked, built.result()]
     failed = {what: errors for what, errors in results if errors}
     assert not failed, failed
