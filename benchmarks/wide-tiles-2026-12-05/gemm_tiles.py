@@ -3,10 +3,13 @@ thread, best of 5 rounds; ``gemm_rows.py``'s weights and timing). Run it in two 
 
     PYTHONPATH=/tmp/old .venv/bin/python benchmarks/wide-tiles-2026-12-05/gemm_tiles.py   # a worktree of the old tree
     .venv/bin/python benchmarks/wide-tiles-2026-12-05/gemm_tiles.py
+
+``--cases shape:kind ...`` and ``--rows ...`` pick other shapes, formats and row counts.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -28,12 +31,17 @@ ROWS = [16, 24, 32, 64, 128]
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=[f"{shape}:{kind}" for shape, kind in CASES], help="shape:kind")
+    p.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    a = p.parse_args()
     torch.set_num_threads(1)
     kernels = cpu_kernels()
     assert kernels is not None, "no compiler here: the integer kernels are not built"
-    for shape, kind in CASES:
+    for case in a.cases:
+        shape, kind = case.split(":")
         (n, k), _ = gemm_rows.SHAPES[shape]
-        rates = [f"{r:3d}: {gemm_rows.rate(kernels, QuantKind[kind], n, k, r):6.1f}" for r in ROWS]
+        rates = [f"{r:3d}: {gemm_rows.rate(kernels, QuantKind[kind], n, k, r):6.1f}" for r in a.rows]
         print(f"{shape:8s} {kind:5s} GMAC/s at rows " + "  ".join(rates), flush=True)
 
 
