@@ -15,12 +15,12 @@
 
 namespace {
 
-bool supported() { return disagg_prefill::SUPPORTED; }
+bool prefill_supported() { return disagg_prefill::SUPPORTED; }
 
 torch::Tensor prefill(torch::Tensor q, torch::Tensor pool, torch::Tensor page_table, int64_t first,
                       int64_t num_kv_heads, int64_t page_stride, int64_t head_stride, int64_t kv_stride,
                       int64_t token_stride, int64_t page_size, double scale) {
-  TORCH_CHECK(supported(), "paged_prefill_attention needs AVX-512 or AVX2 + FMA, which this build has not");
+  TORCH_CHECK(prefill_supported(), "paged_prefill_attention needs AVX-512 or AVX2 + FMA, which this build has not");
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_prefill_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == pool.scalar_type(), "q must be [L, Hq, D] in the pool's dtype");
   TORCH_CHECK(page_table.scalar_type() == torch::kLong && page_table.dim() == 1, "page_table must be [M] int64");
@@ -58,5 +58,5 @@ torch::Tensor prefill(torch::Tensor q, torch::Tensor pool, torch::Tensor page_ta
 void register_prefill_attention(pybind11::module& m) {
   m.def("paged_prefill_attention", &prefill, "causal prefill attention over paged K / V (CPU, AVX-512 or AVX2)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("prefill_attention_supported", &supported, "whether this build has paged_prefill_attention");
+  m.def("prefill_attention_supported", &prefill_supported, "whether this build has paged_prefill_attention");
 }
