@@ -9,10 +9,18 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LlamaConfig,
+    LogitsProcessorList,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from builders import BuildOptions, build_engine
 from kv_messenger.protocol import PrefillRequest
@@ -321,6 +329,31 @@ def tp_generate(
             engine.run_follower()
     finally:
         dist.destroy_process_group()
+
+
+def hf_greedy(
+    model: torch.nn.Module,
+    prompt: list[int],
+    n: int,
+    processors: LogitsProcessorList | None = None,
+) -> tuple[list[int], list[float]]:
+    """The HF reference for greedy decoding: `n` tokens (EOS not special) on HF's own KV cache, as its
+    ``generate`` decodes, and each token's log-probability. Each step's last logits (fp32) go through
+    `processors` (HF logits processors, given the whole sequence so far) before the argmax and the
+    log-softmax. One forward a token instead of the whole sequence again: the same fp32 values to ~1e-6."""
+    seq, logps = list(prompt), []
+    with torch.no_grad():
+        out = model(torch.tensor([seq]), use_cache=True)
+        for step in range(n):
+            scores = out.logits[:, -1].float()
+            if processors is not None:
+                scores = processors(cast(torch.LongTensor, torch.tensor([seq])), cast(torch.FloatTensor, scores))
+            token = int(scores[0].argmax())
+            logps.append(float(torch.log_softmax(scores[0], -1)[token]))
+            seq.append(token)
+            if step + 1 < n:
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return seq[len(prompt) :], logps
 
 
 def smollm2_prompts(tok: Tokenizer) -> list[list[int]]:

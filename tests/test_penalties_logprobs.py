@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from tests.helpers import smollm2_prompts, tiny_engine
+from tests.helpers import hf_greedy, smollm2_prompts, tiny_engine
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.sampling import InvalidRequestError, SamplingParams, apply_penalties
@@ -34,21 +33,6 @@ class OpenAIPenalties(LogitsProcessor):
             counts = torch.bincount(out, minlength=scores.shape[-1]).to(scores.dtype)
             scores[0] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
         return scores
-
-
-def hf_greedy(
-    model: torch.nn.Module, prompt: list[int], processors: LogitsProcessorList
-) -> tuple[list[int], list[float]]:
-    """Greedy with HF's logits processors (full forward each step, EOS not special), and each token's log-prob."""
-    seq, logps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(N):
-            ids = cast(torch.LongTensor, torch.tensor([seq]))
-            scores = processors(ids, model(ids).logits[:, -1].float())
-            token = int(scores[0].argmax())
-            logps.append(float(torch.log_softmax(scores[0], -1)[token]))
-            seq.append(token)
-    return seq[len(prompt) :], logps
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +65,7 @@ def test_greedy_with_penalties_and_logprobs_equals_hf(case: str, engine: LLMEngi
     for rid, prompt in zip(rids, prompts, strict=True):
         req = engine.retire(rid)
         assert req is not None
-        want, want_logps = hf_greedy(hf_smollm2, prompt, LogitsProcessorList(processors(len(prompt))))
+        want, want_logps = hf_greedy(hf_smollm2, prompt, N, LogitsProcessorList(processors(len(prompt))))
         assert req.output_ids == want, case
         torch.testing.assert_close(torch.tensor(logprobs[rid]), torch.tensor(want_logps), atol=2e-4, rtol=0)
 

@@ -9,22 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import smollm2_prompts
+from tests.helpers import hf_greedy, smollm2_prompts
 from torch_engine.config import EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.request import FinishReason
 from torch_engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Plain greedy decoding with HF (full forward each step, EOS not special): the reference."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +30,7 @@ def test_greedy_equals_hf(engine: LLMEngine, hf_smollm2: torch.nn.Module) -> Non
     ours = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for prompt, got in zip(prompts, ours, strict=True):
         assert len(got) == 32
-        assert got == hf_greedy(hf_smollm2, prompt, 32)
+        assert got == hf_greedy(hf_smollm2, prompt, 32)[0]
     assert engine.page_stats().used == 0
 
 
