@@ -107,8 +107,8 @@ def test_prompt_logprobs_equal_hf_with_chunks_cache_and_preemption(smollm2_dir: 
     prompts = [p + p[1:] + p[1:] for p in smollm2_prompts(Tokenizer(smollm2_dir))]  # several chunks long
     with torch.no_grad():
         want = [torch.log_softmax(hf_smollm2(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
-    params = SamplingParams(max_tokens=40, prompt_logprobs=3, ignore_eos=True)  # decodes grow: preemption
-    tight = max(-(-(len(p) + 40) // 16) for p in prompts) + 1  # room for the longest only: the others preempted
+    params = SamplingParams(max_tokens=16, prompt_logprobs=3, ignore_eos=True)  # decodes grow: preemption
+    tight = max(-(-(len(p) + 16) // 16) for p in prompts) + 1  # room for the longest only: the others preempted
     for pages, chunk in ((256, 512), (256, 16), (tight, 16)):
         engine = tiny_engine(smollm2_dir, num_pages=pages, chunk=chunk, budget=max(chunk, 32), tokenizer=False)
         engine.generate(prompts, SamplingParams(max_tokens=1))  # the prompts' pages now cached
