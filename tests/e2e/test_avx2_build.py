@@ -15,7 +15,8 @@ on a rounding boundary then lands one step apart: over 30 layers their log-proba
 average (measured), as much as either differs from the reference. So the AVX2 build is held to the native
 build's own distance from the reference: prompt and generated-token log-probabilities (the latter while
 each build's tokens equal the reference's) within 1.5x its mean and 2x its largest deviation. A wrong
-kernel is far outside that (a prefill mask one key off, for one, moves them by whole nats).
+kernel is far outside that (a prefill mask one key off, for one, moves them by whole nats); both are also held
+to absolute bounds. On a CPU without AVX-512 the native build is the AVX2 build: it runs once, held to those bounds.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ TEXT = (
     "the seconds between blasts and listening for the answering bells of the boats still out at sea."
 )
 LENGTHS = (40, 100, 150)
+# either fast build's distance from the reference, with room: measured 0.065 mean / 0.25 largest (Zen 1, AVX2),
+# ~0.08 mean (Zen 4); a wrong kernel moves log-probabilities by whole nats
+MEAN_BOUND, MAX_BOUND = 0.15, 0.75
 
 
 def serve(engine_dir: str, level: str) -> dict[str, object]:
@@ -115,9 +119,12 @@ def _deviation(run: dict, ref: dict) -> tuple[float, float]:
 def test_the_avx2_build_is_as_close_to_the_reference_as_the_native_build(smollm2_dir: Path) -> None:
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler here (the engine then runs PyTorch ops)")
-    if not {"avx2", "fma", "f16c"} <= cpu_info().flags:
+    flags = cpu_info().flags
+    if not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU cannot run AVX2 code")
-    avx2, native, ref = (_run(smollm2_dir, level) for level in (LEVEL, "native", "reference"))
+    native, ref = _run(smollm2_dir, "native"), _run(smollm2_dir, "reference")
+    # without AVX-512 the native build takes the AVX2 paths: it is the AVX2 build (not built and run twice)
+    avx2 = _run(smollm2_dir, LEVEL) if "avx512f" in flags else native
     assert avx2["i8_path"] == "avx2" and "int8-avx2" in avx2["kernel_path"], avx2["kernel_path"]
     assert "fused-step" in avx2["kernel_path"] and "int8" not in ref["kernel_path"], ref["kernel_path"]
     assert all(len(p) == n - 1 for p, n in zip(avx2["prompt_logprobs"], LENGTHS, strict=True))
@@ -127,6 +134,7 @@ def test_the_avx2_build_is_as_close_to_the_reference_as_the_native_build(smollm2
         (mean_avx2, max_avx2),
         (mean_native, max_native),
     )
+    assert mean_avx2 <= MEAN_BOUND and max_avx2 <= MAX_BOUND, (mean_avx2, max_avx2)
 
 
 if __name__ == "__main__":
