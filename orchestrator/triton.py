@@ -125,6 +125,7 @@ def triton_command(
         f"--metrics-port={ports.metrics}",
         "--allow-metrics=true",
         "--log-verbose=0",
+        "--disable-auto-complete-config",  # every config is complete: no stub launched per model to ask
         *([f"--log-file={log_file}"] if log_file is not None else []),
         *control,
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
