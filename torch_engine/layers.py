@@ -117,6 +117,10 @@ class Embedding(nn.Embedding):
     quant_kernels: ModuleType | None = None
     quant_dtype: torch.dtype = torch.float32
 
+    def reset_parameters(self) -> None:
+        """No random init: the model is built on the meta device and its weights are always loaded (``normal_``
+        on a meta tensor imported ``torch._dynamo``: 3 s of every engine's start)."""
+
     def set_quant(self, weight: Grouped, dtype: torch.dtype, kernels: ModuleType) -> None:
         if weight.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"a packed table of shape {weight.shape} for a {self.num_embeddings}-row embedding")
