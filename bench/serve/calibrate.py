@@ -69,6 +69,9 @@ def calibrate(
     best = min(lengths, key=lambda n: abs(prefill[n] / step - target_ratio))
     copy = copy_bandwidth(64 << 20, 3)
     # the cost curves of a serving process (1 thread): the placement rule's and the planner's
-    tokens = sorted({16, 32, 64, 128, 256, 512, max(lengths)})
-    profile = measure_profile(engine_dir, 1, run_dtype, copy, tokens, (1, 2, 4, 8, 16), (64, 256), repeats=2, steps=6)
+    # up to the longest calibrated prompt (the default lengths: 16-512 tokens, contexts of 64 and 256)
+    longest = max(lengths)
+    tokens = sorted({n for n in (16, 32, 64, 128, 256, 512) if n < longest} | {longest})
+    contexts = sorted({64, min(256, longest)})
+    profile = measure_profile(engine_dir, 1, run_dtype, copy, tokens, (1, 2, 4, 8, 16), contexts, repeats=2, steps=6)
     return Calibration(step, prefill, best, copy, profile.kv_bytes_per_token, profile)
