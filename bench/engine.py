@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine_source_arguments(p, DType.FLOAT32)
     p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
                    help="dtype the engine runs in (auto: the fastest this CPU computes natively)")  # fmt: skip
+    p.add_argument("--kv-dtype", choices=[d.value for d in DType], default=None,
+                   help="the KV pages' dtype (default: the compute dtype; bf16 halves fp32's KV)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--prompt-len", type=int, default=256)
@@ -101,6 +103,7 @@ class Options:
     llamacpp: bool = True
     reference: bool = False
     quality: int | None = None  # --quality: tokens of the fixed text
+    kv_dtype: str | None = None  # --kv-dtype: the KV pages' dtype (None: the compute dtype)
 
 
 @dataclass(slots=True)
@@ -134,6 +137,7 @@ class ThreadReport:
 class Report:
     model: str
     dtype: str
+    kv_dtype: str
     kernel_path: str
     cpu: dict[str, object]
     prompt_len: int
@@ -193,7 +197,7 @@ def run(a: argparse.Namespace) -> int:
     opts = Options(
         engine_dir_of(a), a.device, a.run_dtype, a.threads, a.prompt_len, a.decode_tokens, a.batch, a.repeats,
         not a.no_hf, a.json, {"auto": None, "on": True, "off": False}[a.decode_graphs], not a.no_llamacpp, a.reference,
-        a.quality,
+        a.quality, a.kv_dtype,
     )  # fmt: skip
     report = measure(opts)
     if opts.json:
@@ -229,6 +233,7 @@ def _engine(opts: Options) -> LLMEngine:
         decode_graphs=opts.decode_graphs,
         fast_cpu=not opts.reference,
         dtype="auto" if opts.run_dtype == "auto" else DType(opts.run_dtype),
+        kv_dtype=DType(opts.kv_dtype) if opts.kv_dtype else None,
         num_pages=max_batch * (-(-(opts.prompt_len + opts.decode_tokens + 2) // page)) + 8,
         scheduler=SchedulerConfig(
             max_num_seqs=max_batch,
@@ -246,10 +251,12 @@ def measure(opts: Options) -> Report:
     hf = load_hf(opts.engine_dir, info.dtype, opts.device) if opts.hf else None
     mc = info.model
     report = Report(
-        info.source, str(info.dtype).removeprefix("torch."), info.kernel_path, _device_info(opts.device),
+        info.source, str(info.dtype).removeprefix("torch."), str(info.kv_dtype).removeprefix("torch."),
+        info.kernel_path, _device_info(opts.device),
         opts.prompt_len, opts.decode_tokens, opts.repeats, info.weight_bytes, info.kv_bytes_per_token,
     )  # fmt: skip
-    print(f"[bench] {report.cpu['model']}; dtype {report.dtype}; kernel path {report.kernel_path}", flush=True)
+    print(f"[bench] {report.cpu['model']}; dtype {report.dtype}; KV pages {report.kv_dtype}; "
+          f"kernel path {report.kernel_path}", flush=True)  # fmt: skip
     context = opts.prompt_len + opts.decode_tokens // 2  # mean context over the decode steps
     for threads in opts.threads:
         torch.set_num_threads(threads)

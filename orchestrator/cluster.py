@@ -154,6 +154,11 @@ class ClusterConfig(_Frozen):
     run_dtype: DType | Literal["auto"] = Field(
         default="auto", description="dtype the engines compute in; auto: bf16 where the CPU has it natively, else fp32"
     )
+    kv_dtype: DType | None = Field(
+        default=None,
+        description="dtype of the engines' KV pages (prefill and decode alike); None: their compute dtype. bfloat16 "
+        "under fp32 engines (an AVX2-only CPU's auto) halves the KV's bytes, on the wire too",
+    )
     mode: Mode = Mode.DISAGGREGATED
     prefill: GroupSpec = GroupSpec()
     decode: GroupSpec = GroupSpec()

@@ -309,6 +309,8 @@ class Renderer:
         }
         if spec.num_pages is not None:  # else the engine's own default
             engine["num_pages"] = spec.num_pages
+        if cfg.kv_dtype is not None:
+            engine["kv_dtype"] = cfg.kv_dtype
         if slot.role is not Role.PREFILL:
             engine["speculative"] = cfg.speculative
         here = address(cfg, slot)

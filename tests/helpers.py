@@ -242,9 +242,11 @@ def tiny_engine(
     speculative: SpeculativeConfig | None = None,
     prefix_cache: bool | int = True,
     tokenizer: bool = False,
+    kv_dtype: DType | None = None,
 ) -> LLMEngine:
     """``prefix_cache``: on, off, or on with at most that many unheld cached pages; ``tokenizer``: load
-    the engine directory's tokenizer (text prompts, stop strings, structured output)."""
+    the engine directory's tokenizer (text prompts, stop strings, structured output); ``kv_dtype``: the pages'
+    dtype (None: the engine's, fp32)."""
     cache = PrefixCacheConfig(
         enabled=prefix_cache is not False,
         max_cached_pages=None if isinstance(prefix_cache, bool) else prefix_cache,
@@ -256,6 +258,7 @@ def tiny_engine(
         num_pages=num_pages,
         scheduler=SchedulerConfig(max_prefill_chunk=chunk, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         dtype=DType.FLOAT32,
+        kv_dtype=kv_dtype,
         speculative=speculative or SpeculativeConfig(),
         prefix_cache=cache,
     )

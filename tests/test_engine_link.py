@@ -12,15 +12,16 @@ from kv_messenger.prefill_side import PrefillSide
 from kv_messenger.transport import MemoryFabric
 from serving.kv_links import DecodeLink, PrefillLink, engine_layout, metadata_bytes
 from tests.helpers import mtp_reference, prompt_of, start_split, tiny_engine
-from torch_engine.config import SpecMethod, SpeculativeConfig
+from torch_engine.config import DType, SpecMethod, SpeculativeConfig
+from torch_engine.engine import LLMEngine
 from torch_engine.request import RequestKind
 from torch_engine.sampling import SamplingParams
 from torch_engine.scheduler import SchedulerOutput
 
 
-def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, decode_spec=None, **prefill_kw):
-    prefill = tiny_engine(tiny_engine_dir(kind), **prefill_kw)
-    decode = tiny_engine(tiny_engine_dir(kind), speculative=decode_spec)
+def linked(kind: str, tiny_engine_dir, fabric: MemoryFabric, decode_spec=None, kv_dtype=None, **prefill_kw):
+    prefill = tiny_engine(tiny_engine_dir(kind), kv_dtype=kv_dtype, **prefill_kw)
+    decode = tiny_engine(tiny_engine_dir(kind), speculative=decode_spec, kv_dtype=kv_dtype)
     pside = PrefillSide(
         fabric.agent("p0"),
         engine_layout(prefill.kv_export()),
@@ -81,6 +82,49 @@ def test_disaggregated_equals_plain(kind: str, tiny_engine_dir) -> None:
     hidden = ref.request(rid).last_hidden
     assert got is not None and hidden is not None
     torch.testing.assert_close(got, hidden, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_bf16_pages_cross_the_split_as_they_are(kind: str, tiny_engine_dir) -> None:
+    """fp32 engines on bf16 pages (``kv_dtype``; MLA's latents too): the decode engine receives the prefill's
+    pages byte for byte, half the bytes of fp32 pages, and generates what one engine on bf16 pages generates."""
+    prompts = [prompt_of(n, n) for n in (3, 17, 40, 66)]
+    params = SamplingParams(max_tokens=9)
+    plain = tiny_engine(tiny_engine_dir(kind), kv_dtype=DType.BFLOAT16).generate(prompts, params)
+    prefill, decode, plink, dlink, pside = linked(
+        kind, tiny_engine_dir, MemoryFabric(), kv_dtype=DType.BFLOAT16, chunk=8, budget=24, prefix_cache=False
+    )
+    p_layout, d_layout = engine_layout(prefill.kv_export()), engine_layout(decode.kv_export())
+    assert p_layout == d_layout and p_layout.dtype is DType.BFLOAT16
+    fp32 = engine_layout(tiny_engine(tiny_engine_dir(kind)).kv_export())
+    assert 2 * p_layout.dtype.itemsize == fp32.dtype.itemsize and p_layout.compat_hash() != fp32.compat_hash()
+    sent: list[list[torch.Tensor]] = []  # r3's pages on the prefill once computed (before they are freed)
+    received: list[list[torch.Tensor]] = []  # and on the decode engine at its first step (before it writes one)
+
+    class Keep:
+        def __init__(self, engine: LLMEngine, into: list[list[torch.Tensor]], before: bool) -> None:
+            self.engine, self.into, self.before = engine, into, before
+
+        def keep(self, sched: SchedulerOutput) -> None:
+            for c in sched.chunks:
+                if c.request.request_id == "r3" and not self.into and (self.before or c.completes):
+                    self.into.append([p[c.request.pages].clone() for p in self.engine.kv_export().pools])
+
+        def before_step(self, sched: SchedulerOutput) -> None:
+            if self.before:
+                self.keep(sched)
+
+        def after_forward(self, sched: SchedulerOutput) -> None:
+            if not self.before:
+                self.keep(sched)
+
+    prefill.attach(Keep(prefill, sent, False))
+    decode.attach(Keep(decode, received, True))
+    _, outputs = run_split(prefill, decode, plink, dlink, pside, prompts, params, meta=True)
+    assert outputs == plain and len(sent) == len(received) == 1
+    n = len(prompts[3]) // 4  # r3's whole pages of prompt (page size 4)
+    for a, b in zip(sent[0], received[0], strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a[:n], b[:n])
 
 
 def test_decoder_timeout_frees_pages_and_serves_next(tiny_engine_dir) -> None:

@@ -73,17 +73,19 @@ class Pair:
 
 def _runner(
     engine_dir: Path, fused: bool, layout: KVLayout, page_size: int, layers: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, pages: torch.dtype | None = None, torch_ops: bool = False,
 ) -> ModelRunner:  # fmt: skip
+    """pages: the KV pages' dtype (None: ``dtype``); torch_ops: the attention and the KV writes on PyTorch's ops
+    (no compiled kernels on the cache)."""
     manifest = EngineManifest.load(engine_dir)
     cfg = EngineConfig(engine_dir=engine_dir, fast_cpu=True, dtype=DType.FLOAT32)
     model = load_weights(manifest, cfg, TPGroup.single(), CPU, dtype, keep_packed=True)
     prepare_cpu_path(model, CPU, dtype)
     if layers is not None:
         model.layers = model.layers[:layers]
-    spec = cache_spec(manifest.model, 1, 256, page_size, layout, dtype)
-    kv = PagedKVCache(spec)
-    kv.kernels = cpu_kernels()
+    spec = cache_spec(manifest.model, 1, 256, page_size, layout, pages or dtype)
+    kv = PagedKVCache(spec, compute_dtype=dtype)
+    kv.kernels = None if torch_ops else cpu_kernels()
     runner = ModelRunner(model, kv, LayerProgress(manifest.model.num_kv_layers), TPGroup.single(), CPU, 512)
     if fused:
         runner.use_fused_step(True)
@@ -206,6 +208,54 @@ def test_long_sequences_in_parts_on_bf16_pages(kernels: object, quantized: dict)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_an_fp32_model_on_bf16_pages_follows_torch_ops(kernels: object, quantized: dict, kind: str) -> None:
+    """An fp32 model over bf16 pages (``EngineConfig.kv_dtype``): the fused step (its KV write rounds to bf16, its
+    attention reads the bf16 pages) against the eager model on PyTorch's ops (``write_kv`` rounding, gathers
+    upcast): one layer close step after step, the K / V it wrote within the activations' rounding; the whole model's
+    distributions as the fp32 pages' test holds them."""
+    path = quantized[(kind, QuantKind.Q4_1)]
+
+    def pair(layers: int | None) -> Pair:
+        bf16 = torch.bfloat16
+        return Pair(_runner(path, False, KVLayout.HND, 4, layers, pages=bf16, torch_ops=True),
+                    _runner(path, True, KVLayout.HND, 4, layers, pages=bf16), 256)  # fmt: skip
+
+    p = pair(1)
+    assert p.fused.kv.pools[0].dtype == torch.bfloat16 and p.fused.fused is not None
+    for eager, fused in _teacher_forced(p, [1, 3, 4, 9, 17], 10, 256):
+        assert fused.dtype == torch.float32 and float((eager - fused).abs().max()) < 0.02 * float(eager.std())
+    a, b = p.eager.kv.pools[0].float(), p.fused.kv.pools[0].float()
+    assert float((a - b).abs().max()) < 0.02 * float(a.abs().max())
+    _assert_distributions_agree(pair(None), [2, 5, 16, 31, 7, 1, 12, 3], 8)
+
+
+def test_an_engine_on_bf16_pages(kernels: object, quantized: dict) -> None:
+    """``kv_dtype: bfloat16`` under an fp32 engine: half the KV bytes a token, its own prefix-cache identity (its
+    pages hold other values than fp32 ones), the fused step on the bf16 pages, and greedy tokens (continuous
+    batching: prefill and mixed steps on the eager model) equal the eager engine's on the same pages."""
+    path = quantized[("qwen3", QuantKind.Q8_0)]
+    prompts = [[(7 * i + j) % 256 for j in range(3 + 5 * i)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def engine(**kw: object) -> LLMEngine:
+        cfg = {"engine_dir": path, "fast_cpu": True, "dtype": "float32", "num_pages": 64, **kw}
+        return LLMEngine(EngineConfig.model_validate(cfg))
+
+    fp32 = engine().describe()
+    outs = []
+    for fused in (False, True):
+        e = engine(kv_dtype="bfloat16", fused_decode=fused)
+        info = e.describe()
+        assert info.dtype == torch.float32 and info.kv_dtype == torch.bfloat16 and fp32.kv_dtype == torch.float32
+        assert 2 * info.kv_bytes_per_token == fp32.kv_bytes_per_token
+        assert info.cache_identity != fp32.cache_identity and "kv-torch.bfloat16" in info.cache_identity
+        assert ("fused-step" in info.kernel_path) is fused
+        outs.append(e.generate(prompts, greedy))
+    same = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
+    assert same >= 5, outs
 
 
 def test_many_rows_take_every_tile_size(kernels: object, quantized: dict) -> None:

@@ -15,30 +15,45 @@ KERNELS = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels could not be built here (no compiler)")
 
 
+# (activations, pages): each dtype with its own pages, and an fp32 engine over bf16 pages (EngineConfig.kv_dtype),
+# and the reverse
+PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+         (torch.bfloat16, torch.float32)]  # fmt: skip
+
+
+def _fp32_view(kv: PagedKVCache) -> PagedKVCache:
+    """The same pages read in fp32 (the references: every value the pages hold, as they hold it)."""
+    view = PagedKVCache(KVCacheSpec(1, 1, 1, KVLayout.HND, kv.spec.dtype, 1, 1), compute_dtype=torch.float32)
+    view.spec, view.pools = kv.spec, kv.pools
+    return view
+
+
 @pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "pages"), PAIRS)
 @pytest.mark.parametrize("head_dim", [64, 24])  # the vector path and the plain loops
 @pytest.mark.parametrize("page", [16, 5])  # a chunk a page; chunks that start and end inside pages
 def test_paged_decode_attention_equals_gather_and_softmax(
-    layout: KVLayout, dtype: torch.dtype, head_dim: int, page: int
+    layout: KVLayout, dtype: torch.dtype, pages: torch.dtype, head_dim: int, page: int
 ) -> None:
+    """Decode rows read from the pages in place equal the gathered pages' softmax attention, in the query's
+    dtype; pages of another dtype than the query's read as they hold their values."""
     torch.manual_seed(0)
-    kv = PagedKVCache(KVCacheSpec(1, 40, page, layout, dtype, kv_heads=3, head_dim=head_dim))
-    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))
+    kv = PagedKVCache(KVCacheSpec(1, 40, page, layout, pages, kv_heads=3, head_dim=head_dim), compute_dtype=dtype)
+    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(pages))
     kv.kernels = KERNELS
     width = -(-96 // page)
     table = torch.randint(0, 40, (5, width))
     lens = torch.tensor([1, 17, 50, 96, 33])  # a lone token, page edges, a full table
     q = (3 * torch.randn(5, 9, head_dim)).to(dtype)
     mask = (torch.arange(width * page)[None] < lens[:, None])[:, None, None, :]
-    want = decode_attention(q, *kv.gather_pages_kv(0, table), mask, 0.125)
+    want = decode_attention(q.float(), *_fp32_view(kv).gather_pages_kv(0, table), mask, 0.125)
     got = kv.decode_attention(0, q, table, lens, 0.125)
     assert got is not None and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-3)
 
 
 @pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "pages"), PAIRS)
 @pytest.mark.parametrize(("head_dim", "kv_heads", "first", "length"), [
     (64, 3, 0, 100),   # a prompt from its start (SmolLM2's heads)
     (64, 3, 37, 50),   # a later chunk: every earlier key visible, causal inside the chunk
@@ -47,20 +62,20 @@ def test_paged_decode_attention_equals_gather_and_softmax(
     (64, 1, 3, 1),     # one token, every query head on one KV head
 ])  # fmt: skip
 def test_paged_prefill_attention_equals_causal_sdpa(
-    layout: KVLayout, dtype: torch.dtype, head_dim: int, kv_heads: int, first: int, length: int
+    layout: KVLayout, dtype: torch.dtype, pages: torch.dtype, head_dim: int, kv_heads: int, first: int, length: int
 ) -> None:
     """A prefill chunk read in place from scattered pages equals PyTorch's SDPA over the gathered keys with
     the chunk's causal mask (query i sees keys 0 .. first + i)."""
     if KERNELS is None or not KERNELS.prefill_attention_supported():
         pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA: prefill attention runs PyTorch's SDPA")
     torch.manual_seed(1)
-    kv = PagedKVCache(KVCacheSpec(1, 40, 16, layout, dtype, kv_heads=kv_heads, head_dim=head_dim))
-    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(dtype))
+    spec = KVCacheSpec(1, 40, 16, layout, pages, kv_heads=kv_heads, head_dim=head_dim)
+    kv = PagedKVCache(spec, compute_dtype=dtype)
+    kv.pools[0].copy_(torch.randn(kv.pools[0].shape).to(pages))
     kv.kernels = KERNELS
-    pages = -(-(first + length) // 16)
-    table = torch.randperm(40)[:pages][None]
+    table = torch.randperm(40)[: -(-(first + length) // 16)][None]
     q = (3 * torch.randn(length, 3 * kv_heads, head_dim)).to(dtype)
-    k, v = kv.gather_kv(0, table)  # [1, Hkv, pages * 16, D]
+    k, v = _fp32_view(kv).gather_kv(0, table)  # [1, Hkv, pages * 16, D]
     s = first + length
     mask = torch.arange(s)[None, :] <= first + torch.arange(length)[:, None]
     want = F.scaled_dot_product_attention(

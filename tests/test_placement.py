@@ -13,7 +13,7 @@ import yaml
 from orchestrator.cluster import ClusterConfig, ConfigError, Device
 from orchestrator.launch import Launch
 from serving.node_config import NodeConfig
-from torch_engine.config import Role
+from torch_engine.config import DType, Role
 
 HOSTS = [
     {"name": "hostA", "address": "10.9.0.1", "slots": 2, "cores": [4, 5]},
@@ -166,3 +166,21 @@ def test_the_renderer_is_pure_and_renders_a_restart_at_the_next_generation(tiny_
     assert [n.agent_name for n in again.nodes.values()] == ["run1-decode0.tp0-g1"] and "generation 1" in again.script
     assert plan.endpoints()["decode0"] == {"address": "127.0.0.1", "http": 8000, "grpc": 8001, "metrics": 8002,
                                            "models": ["decode"]}  # fmt: skip
+
+
+def test_the_kv_dtype_reaches_every_engine(tiny_engine_dir, tmp_path: Path) -> None:
+    """``kv_dtype`` of the deployment is every engine's, prefill and decode alike (their pages must match to
+    cross the split); unset, each engine keeps its pages in its compute dtype."""
+    from orchestrator.run_plan import Renderer, leader_ports
+    from orchestrator.triton import TritonInstall
+
+    d = tiny_engine_dir("llama")
+    for kv, want in (({"kv_dtype": "bfloat16"}, DType.BFLOAT16), ({}, None)):
+        cfg = ClusterConfig.parse({"prefill": {"engine_dir": str(d)}, "decode": {"engine_dir": str(d)},
+                                   "run_dir": str(tmp_path / "run"), "router": {"enabled": False}, **kv})  # fmt: skip
+        leaders = [s for s in cfg.rank_map() if s.is_leader]
+        ports = dict(zip([s.mpi_rank for s in leaders], leader_ports(cfg, leaders), strict=True))
+        dirs = {Role.DECODE: d, Role.PREFILL: d}
+        plan = Renderer(cfg, tmp_path / "run", "run1", TritonInstall.find(), tmp_path / "b", dirs, ports, None).plan()
+        engines = [n.engine for g in plan.groups.values() for n in g.nodes.values()]
+        assert len(engines) == 2 and all(e.kv_dtype is want for e in engines)

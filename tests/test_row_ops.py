@@ -41,14 +41,18 @@ def test_gated_mlp_on_the_kernel_equals_its_torch_ops() -> None:
 
 
 @pytest.mark.parametrize("layout", [KVLayout.HND, KVLayout.NHD])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_write_kv_equals_apply_rope_and_write_kv(layout: KVLayout, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "pool_dtype"), [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16),
+                                                                         (torch.bfloat16, torch.float32)])  # fmt: skip
+def test_rope_write_kv_equals_apply_rope_and_write_kv(
+    layout: KVLayout, dtype: torch.dtype, pool_dtype: torch.dtype
+) -> None:
     """q and k heads rotated in place as ``apply_rope`` in fp32 rotates them (rounded once), K and V stored at
-    scattered slots bit for bit as ``write_kv`` stores those values; every other slot untouched."""
+    scattered slots bit for bit as ``write_kv`` stores those values (pages of another dtype: rounded to it as
+    ``write_kv`` rounds them); every other slot untouched."""
     torch.manual_seed(2)
     hq, hkv, d, t = 9, 3, 64, 21
-    spec = KVCacheSpec(1, 8, 16, layout, dtype, kv_heads=hkv, head_dim=d)
-    want_kv, got_kv = PagedKVCache(spec), PagedKVCache(spec)
+    spec = KVCacheSpec(1, 8, 16, layout, pool_dtype, kv_heads=hkv, head_dim=d)
+    want_kv, got_kv = PagedKVCache(spec, compute_dtype=dtype), PagedKVCache(spec, compute_dtype=dtype)
     for c in (want_kv, got_kv):
         c.pools[0].fill_(7.0)
     got_kv.kernels = KERNELS
@@ -79,11 +83,13 @@ def test_rope_write_kv_refuses_a_slot_outside_the_pool() -> None:
 
 
 def test_rope_write_kv_declines_what_it_does_not_take() -> None:
-    """Another dtype than the pool's, or no kernels: False, nothing written (the caller's torch ops run)."""
+    """A dtype the kernel does not take (fp16), cos / sin in another dtype than qkv's, or no kernels: False,
+    nothing written (the caller's torch ops run)."""
     spec = KVCacheSpec(1, 4, 16, KVLayout.HND, torch.float32, kv_heads=1, head_dim=8)
     kv = PagedKVCache(spec)
     qkv, cs, slot = torch.randn(2, 3, 8), torch.ones(2, 4), torch.tensor([0, 1])
     assert not kv.rope_write_kv(0, qkv, 1, cs, cs, slot, slot)
     kv.kernels = KERNELS
-    assert not kv.rope_write_kv(0, qkv.bfloat16(), 1, cs.bfloat16(), cs.bfloat16(), slot, slot)
+    assert not kv.rope_write_kv(0, qkv.half(), 1, cs.half(), cs.half(), slot, slot)
+    assert not kv.rope_write_kv(0, qkv.bfloat16(), 1, cs, cs, slot, slot)
     assert not kv.pools[0].any()

@@ -280,6 +280,9 @@ class EngineConfig(_Frozen):
     engine_dir: Path
     device: str = "cpu"
     dtype: DType | Literal["auto"] | None = None  # None: the manifest's; auto: the fastest native dtype
+    # the KV pages' dtype. None: the compute dtype (``dtype``); bfloat16 under an fp32 engine (an AVX2-only CPU's
+    # auto) halves the KV's bytes: twice the tokens per GiB, half the attention's reads (llama.cpp keeps f16)
+    kv_dtype: DType | None = None
     page_size: int | None = Field(default=None, ge=1)  # None: the manifest's
     kv_layout: KVLayout | None = None  # None: the manifest's
     num_pages: int = Field(default=512, ge=1)

@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.rope = rope
         self.device = device
         self.page_size = kv.spec.page_size
-        self.dtype = kv.spec.dtype
+        self.dtype = kv.compute_dtype
         self.scratch = scratch_page
         self.max_batch = bucket(max_batch)
         self.capture = capture and device.type == "cuda"

@@ -79,8 +79,9 @@ class LLMEngine:
         graphs = config.decode_graphs if config.decode_graphs is not None else self._device.type == "cuda"
         graphs = graphs and self._tp.size == 1 and not mc.n_routed_experts
         pool_pages = config.num_pages + int(graphs)  # + the decode graphs' scratch page, outside the allocator
-        spec = cache_spec(mc, self._tp.size, pool_pages, self._page_size, layout, self._dtype)
-        self._kv = PagedKVCache(spec, self._device)
+        kv_dtype = config.kv_dtype.torch if config.kv_dtype is not None else self._dtype
+        spec = cache_spec(mc, self._tp.size, pool_pages, self._page_size, layout, kv_dtype)
+        self._kv = PagedKVCache(spec, self._device, self._dtype)
         self._kv.kernels = cpu_kernels() if fast else None
         self._progress = LayerProgress(mc.num_kv_layers, self._device)
         self._spec = speculator or Speculator(config.speculative, self._max_model_len)
@@ -91,7 +92,8 @@ class LLMEngine:
             )
         pc = config.prefix_cache
         self._allocator = PageAllocator(config.num_pages, pc.max_cached_pages)
-        self._identity = f"{manifest.fingerprint}/{self._dtype}/{layout.value}"
+        kv_tag = f"/kv-{kv_dtype}" if kv_dtype != self._dtype else ""  # pages held in another dtype differ
+        self._identity = f"{manifest.fingerprint}/{self._dtype}{kv_tag}/{layout.value}"
         needs_mtp = self._spec.reads_mtp_kv if self._model.mtp is not None else None
         self._cache = PrefixCache(self._allocator, self._page_size, self._identity, needs_mtp) if pc.enabled else None
         s = config.scheduler
@@ -272,6 +274,7 @@ class LLMEngine:
             tp_size=self._tp.size,
             device=str(self._device),
             dtype=self._dtype,
+            kv_dtype=spec.dtype,
             page_size=self._page_size,
             num_pages=self._allocator.num_pages,
             max_model_len=self._max_model_len,

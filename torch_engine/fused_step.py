@@ -78,7 +78,7 @@ class FusedStep:
         assert isinstance(first, LlamaAttention) and isinstance(mlp0, GatedMLP)
         first_lin = first.qkv
         strides = kv.strides()  # every layer's pool has the same shape
-        self._dtype = spec.dtype
+        self._dtype = kv.compute_dtype
         self._embed = model.embed
         self._step = kernels.FusedDecoder(
             cfg.hidden_size, first.hq, first.hkv, first.d, mlp0.down.in_features, cfg.rms_norm_eps,

@@ -20,6 +20,8 @@ import torch
 
 from torch_engine.config import KVLayout
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the compiled kernels' activations and pools, any pair
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -57,13 +59,20 @@ class KVCacheSpec:
 class PagedKVCache:
     """The pools (one ``[num_pages, *page_shape]`` tensor per layer) and their reads and writes.
 
+    ``compute_dtype``: the model's activations (default: the pool's dtype). The pages may be held in
+    another (an fp32 engine with bf16 pages: ``EngineConfig.kv_dtype``): writes round to the pool's
+    dtype, gathers return the compute dtype, and the compiled kernels read the pages as they are.
+
     ``kernels`` (set by the engine on its fast CPU path): the compiled ``torch_engine/csrc``
     module; GQA decode rows then attend straight from the pages (``decode_attention``)."""
 
     kernels: ModuleType | None = None
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, spec: KVCacheSpec, device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None
+    ) -> None:
         self.spec = spec
+        self.compute_dtype = compute_dtype or spec.dtype
         self.pools = [
             torch.zeros((spec.num_pages, *spec.page_shape), dtype=spec.dtype, device=device)
             for _ in range(spec.num_layers)
@@ -73,7 +82,7 @@ class PagedKVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
     ) -> None:
         """Store K and V (``[T, H, D]``) of T tokens at (page, offset) slots."""
-        kv = torch.stack((k, v), dim=2)  # [T, H, 2, D]
+        kv = torch.stack((k, v), dim=2).to(self.spec.dtype)  # [T, H, 2, D]
         if self.spec.layout is KVLayout.HND:
             self.pools[layer][pages, :, :, offsets] = kv
         else:
@@ -90,7 +99,7 @@ class PagedKVCache:
         offsets: torch.Tensor,
     ) -> bool:
         """With the compiled kernels: rotate the query and key heads of ``qkv`` (``[T, q_heads + 2 * H, D]``,
-        contiguous, in the pool's dtype) in place with ``cos`` / ``sin`` (``[T, D / 2]``, HF's rotate_half) and
+        contiguous, fp32 or bf16) in place with ``cos`` / ``sin`` (``[T, D / 2]``, HF's rotate_half) and
         store each token's K and V at its (page, offset), in one pass. False, nothing done, where the kernel
         does not apply (no kernels, another device or dtype, MLA): the caller rotates and calls ``write_kv``."""
         found = self._kernel_pool(layer, qkv)
@@ -117,7 +126,7 @@ class PagedKVCache:
         shape = (self.spec.kv_heads, b, m * self.spec.page_size, self.spec.head_dim)
         k = k_pages.transpose(0, 1)[:, page_table].reshape(shape)  # [H, B, M, P, D] -> [H, B, S, D]
         v = v_pages.transpose(0, 1)[:, page_table].reshape(shape)
-        return k.transpose(0, 1), v.transpose(0, 1)
+        return k.transpose(0, 1).to(self.compute_dtype), v.transpose(0, 1).to(self.compute_dtype)
 
     def gather_pages_kv(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole pages, page-major: two ``[B, M, H, P, D]`` views of one gather.
@@ -127,6 +136,7 @@ class PagedKVCache:
         """
         b, m = page_table.shape
         g = self.pools[layer].index_select(0, page_table.reshape(-1)).view(b, m, *self.spec.page_shape)
+        g = g.to(self.compute_dtype)
         if self.spec.layout is KVLayout.HND:
             return g[:, :, :, 0], g[:, :, :, 1]  # [B, M, H, 2, P, D] -> [B, M, H, P, D]
         return g[..., 0, :].transpose(2, 3), g[..., 1, :].transpose(2, 3)  # [B, M, P, H, 2, D]
@@ -140,9 +150,11 @@ class PagedKVCache:
 
     def _kernel_pool(self, layer: int, q: torch.Tensor) -> tuple[ModuleType, torch.Tensor, list[int]] | None:
         """The compiled kernels, a layer's pool and its strides (``strides``), if the attention kernels
-        apply to ``q`` here (kernels loaded, CPU, not MLA, the pool's dtype); else None."""
+        apply to ``q`` here (kernels loaded, CPU, not MLA, ``q`` and the pool each fp32 or bf16); else None."""
         pool, k = self.pools[layer], self.kernels
-        if k is None or pool.device.type != "cpu" or self.spec.is_mla or q.dtype != pool.dtype:
+        if k is None or pool.device.type != "cpu" or self.spec.is_mla:
+            return None
+        if q.dtype not in _KERNEL_DTYPES or pool.dtype not in _KERNEL_DTYPES:
             return None
         return k, pool, self.strides(layer)
 
@@ -174,12 +186,13 @@ class PagedKVCache:
 
     def write_latent(self, layer: int, latent: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """Store the MLA latent (``[T, L]``) of T tokens."""
-        self.pools[layer][pages, offsets] = latent
+        self.pools[layer][pages, offsets] = latent.to(self.spec.dtype)
 
     def gather_latent(self, layer: int, page_table: torch.Tensor) -> torch.Tensor:
         """``[B, M * page_size, L]`` latents in token order."""
         b, m = page_table.shape
-        return self.pools[layer][page_table].reshape(b, m * self.spec.page_size, self.spec.latent_dim)
+        latents = self.pools[layer][page_table].reshape(b, m * self.spec.page_size, self.spec.latent_dim)
+        return latents.to(self.compute_dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages of every layer within this cache, ``(source, destination)`` in order (a

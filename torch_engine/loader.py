@@ -31,6 +31,7 @@ class EngineDescription:
     tp_size: int
     device: str
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pages' (EngineConfig.kv_dtype; the compute dtype by default)
     page_size: int
     num_pages: int
     max_model_len: int

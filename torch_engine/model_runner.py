@@ -50,7 +50,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.page_size = kv.spec.page_size
-        self.dtype = kv.spec.dtype
+        self.dtype = kv.compute_dtype
         cfg = model.cfg
         self.rope = RotaryTable(model.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, device)
         self.tick_hook: TickHook | None = None

@@ -23,7 +23,7 @@ int prefill_f32(const float* q, const float* pool, const int64_t* table, float* 
                 int64_t kv_stride, int64_t token_stride, float scale) {
 #if defined(__AVX512F__) || defined(DISAGG_ATTN_AVX2)
   const auto serial = [](int64_t b, int64_t e, int64_t, const auto& fn) { fn(b, e); };
-  disagg_prefill::prefill_kernel<float>(q, pool, table, out, L, first, Hq, Hkv, D, P, page_stride, head_stride,
+  disagg_prefill::prefill_kernel<float, float>(q, pool, table, out, L, first, Hq, Hkv, D, P, page_stride, head_stride,
                                         kv_stride, token_stride, scale, serial);
   return 1;
 #else

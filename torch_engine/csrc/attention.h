@@ -312,6 +312,25 @@ inline void chunk_avx2(const float* qf, const float* const* krow, const float* c
 }
 #endif
 
+// n values (fp32 or bf16 pages) as fp32: a bf16 value is the high half of its fp32, so 8 (16) at a time are a
+// zero-extension and a shift (the fp32 engine of an AVX2-only CPU over bf16 pages converts each K / V row once
+// per chunk, shared by the G query heads).
+template <typename T>
+inline void to_floats(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+#endif
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
 // The same chunk with plain loops (any head size, any CPU).
 inline void chunk_plain(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
                         int64_t D, float* acc, float* m, float* l, float* sc) {
@@ -547,10 +566,8 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
           krow[t] = k;
           vrow[t] = k + kv_stride;
         } else {
-          for (int64_t d = 0; d < D; ++d) {
-            kbuf[t * D + d] = to_float(k[d]);
-            vbuf[t * D + d] = to_float(k[kv_stride + d]);
-          }
+          to_floats(k, kbuf + t * D, D);
+          to_floats(k + kv_stride, vbuf + t * D, D);
           krow[t] = kbuf + t * D;
           vrow[t] = vbuf + t * D;
         }

@@ -3,7 +3,7 @@
 // Fused paged decode attention for CPUs: one query token per sequence, K/V read straight from the
 // pages (no gather into a new tensor), online softmax in fp32, any page layout (strides given).
 //
-//   q          [B, Hq, D]            fp32 or bf16 (the pool's dtype)
+//   q          [B, Hq, D]            fp32 or bf16 (the pool: fp32 or bf16, either with either)
 //   pool       [N, ...]              one layer's pages; K of (page, head, token) at
 //                                    page * page_stride + head * head_stride + token * token_stride,
 //                                    V at the same place + kv_stride
@@ -23,20 +23,23 @@
 #include <vector>
 
 #include "attention.h"
+#include "pool_dtypes.h"
 
 namespace {
 
 using disagg_attn::decode_job;
 
-template <typename T>
-void decode_kernel(const T* q, const T* pool, const int64_t* table, const int64_t* lens, T* out, int64_t B,
+template <typename QT, typename PT>
+void decode_kernel(const QT* q, const PT* pool, const int64_t* table, const int64_t* lens, QT* out, int64_t B,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t M, int64_t P, int64_t page_stride,
                    int64_t head_stride, int64_t kv_stride, int64_t token_stride, float scale) {
   const int64_t G = Hq / Hkv;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), scratch(disagg_attn::scratch_floats(D, Hq));
     for (int64_t b = begin; b < end; ++b) {
-      auto job_fn = D == 64 ? decode_job<T, T, T, 64> : D == 128 ? decode_job<T, T, T, 128> : decode_job<T, T, T, 0>;
+      auto job_fn = D == 64    ? decode_job<QT, PT, QT, 64>
+                    : D == 128 ? decode_job<QT, PT, QT, 128>
+                               : decode_job<QT, PT, QT, 0>;
       job_fn(q + b * Hq * D, pool, Hkv, head_stride, table + b * M, std::min(lens[b], M * P), out + b * Hq * D, G, D,
              P, page_stride, kv_stride, token_stride, scale, qf.data(), acc.data(), m.data(), l.data(),
              scratch.data());
@@ -49,7 +52,6 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor pool, torch::Tensor page_tab
                      int64_t token_stride, int64_t page_size, double scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3, "q must be [B, Hq, D]");
-  TORCH_CHECK(q.scalar_type() == pool.scalar_type(), "q and the pool must share a dtype");
   TORCH_CHECK(page_table.scalar_type() == torch::kLong && kv_lens.scalar_type() == torch::kLong,
               "page_table and kv_lens must be int64");
   TORCH_CHECK(pool.is_contiguous(), "the pool must be contiguous");
@@ -61,18 +63,13 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor pool, torch::Tensor page_tab
   TORCH_CHECK(num_kv_heads > 0 && Hq % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
-  if (q.scalar_type() == torch::kFloat) {
-    decode_kernel<float>(q.data_ptr<float>(), pool.data_ptr<float>(), page_table.data_ptr<int64_t>(),
-                         kv_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, Hq, num_kv_heads, D, M, page_size,
-                         page_stride, head_stride, kv_stride, token_stride, s);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), pool.data_ptr<at::BFloat16>(),
-                                page_table.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(),
-                                out.data_ptr<at::BFloat16>(), B, Hq, num_kv_heads, D, M, page_size, page_stride,
-                                head_stride, kv_stride, token_stride, s);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
-  }
+  disagg_dtypes::with_dtypes(q, pool, "paged_decode_attention", [&](auto qt, auto pt) {
+    using QT = typename decltype(qt)::type;
+    using PT = typename decltype(pt)::type;
+    decode_kernel<QT, PT>(q.data_ptr<QT>(), pool.data_ptr<PT>(), page_table.data_ptr<int64_t>(),
+                          kv_lens.data_ptr<int64_t>(), out.data_ptr<QT>(), B, Hq, num_kv_heads, D, M, page_size,
+                          page_stride, head_stride, kv_stride, token_stride, s);
+  });
   return out;
 }
 

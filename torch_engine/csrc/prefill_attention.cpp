@@ -1,7 +1,7 @@
 // The Python-facing side of prefill_attention.h: causal prefill attention over paged K / V (CPU, AVX-512 or
 // AVX2 + FMA), a chunk of L query tokens at positions first .. first + L - 1 of one sequence.
 //
-//   q          [L, Hq, D]   fp32 or bf16 (the pool's dtype), unscaled
+//   q          [L, Hq, D]   fp32 or bf16, unscaled (the pool fp32 or bf16, either with either)
 //   pool       one layer's pages (strides as paged_decode_attention takes them)
 //   page_table [M] int64    the sequence's pages, in token order (M * page_size >= first + L)
 //   returns    [L, Hq, D]   q's dtype
@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "pool_dtypes.h"
 #include "prefill_attention.h"
 
 namespace {
@@ -22,7 +23,7 @@ torch::Tensor prefill(torch::Tensor q, torch::Tensor pool, torch::Tensor page_ta
                       int64_t token_stride, int64_t page_size, double scale) {
   TORCH_CHECK(prefill_supported(), "paged_prefill_attention needs AVX-512 or AVX2 + FMA, which this build has not");
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_prefill_attention runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == pool.scalar_type(), "q must be [L, Hq, D] in the pool's dtype");
+  TORCH_CHECK(q.dim() == 3, "q must be [L, Hq, D]");
   TORCH_CHECK(page_table.scalar_type() == torch::kLong && page_table.dim() == 1, "page_table must be [M] int64");
   TORCH_CHECK(pool.is_contiguous(), "the pool must be contiguous");
   q = q.contiguous();
@@ -38,17 +39,13 @@ torch::Tensor prefill(torch::Tensor q, torch::Tensor pool, torch::Tensor page_ta
 #if defined(__AVX512F__) || defined(DISAGG_ATTN_AVX2)
   const float s = static_cast<float>(scale);
   const auto par = [](int64_t b, int64_t e, int64_t grain, const auto& fn) { at::parallel_for(b, e, grain, fn); };
-  if (q.scalar_type() == torch::kFloat) {
-    disagg_prefill::prefill_kernel<float>(q.data_ptr<float>(), pool.data_ptr<float>(), tab, out.data_ptr<float>(), L,
-                                          first, Hq, num_kv_heads, D, page_size, page_stride, head_stride, kv_stride,
-                                          token_stride, s, par);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    disagg_prefill::prefill_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), pool.data_ptr<at::BFloat16>(), tab,
-                                                 out.data_ptr<at::BFloat16>(), L, first, Hq, num_kv_heads, D,
-                                                 page_size, page_stride, head_stride, kv_stride, token_stride, s, par);
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16, got ", q.scalar_type());
-  }
+  disagg_dtypes::with_dtypes(q, pool, "paged_prefill_attention", [&](auto qt, auto pt) {
+    using QT = typename decltype(qt)::type;
+    using PT = typename decltype(pt)::type;
+    disagg_prefill::prefill_kernel<QT, PT>(q.data_ptr<QT>(), pool.data_ptr<PT>(), tab, out.data_ptr<QT>(), L, first, Hq,
+                                           num_kv_heads, D, page_size, page_stride, head_stride, kv_stride,
+                                           token_stride, s, par);
+  });
 #endif
   return out;
 }

@@ -406,14 +406,14 @@ void prefill_kernel_bf16(const at::BFloat16* q, const at::BFloat16* pool, const 
 }
 #endif
 
-// The whole chunk: q [L, Hq, D] and out [L, Hq, D] in T (fp32 or bf16), the pool's pages as
+// The whole chunk: q [L, Hq, D] and out [L, Hq, D] in T (fp32 or bf16), the pool's pages (PT: fp32 or bf16) as
 // paged_decode_attention takes them, table the sequence's pages in token order.
-template <typename T, typename Par>
-void prefill_kernel(const T* q, const T* pool, const int64_t* table, T* out, int64_t L, int64_t first, int64_t Hq,
+template <typename T, typename PT, typename Par>
+void prefill_kernel(const T* q, const PT* pool, const int64_t* table, T* out, int64_t L, int64_t first, int64_t Hq,
                     int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t head_stride, int64_t kv_stride,
                     int64_t token_stride, float scale, const Par& par) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>)
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<PT, at::BFloat16>)
     return prefill_kernel_bf16(q, pool, table, out, L, first, Hq, Hkv, D, P, page_stride, head_stride, kv_stride,
                                token_stride, scale, par);
 #endif

@@ -6,7 +6,8 @@
 //   rope_write_kv(qkv [T, Hq + 2 Hkv, D], cos [T, D / 2], sin, pool, pages [T], offsets [T], hq, hkv, page_size,
 //                 page_stride, head_stride, kv_stride, token_stride)
 //                                         the Hq query and Hkv key heads rotated in place (HF's rotate_half),
-//                                         each token's K and V heads written into its pool slot (the pool's
+//                                         each token's K and V heads written into its pool slot (fp32 or bf16,
+//                                         either with qkv's; the pool's
 //                                         strides as paged_decode_attention takes them)
 //   argmax_rows(x [R, V] fp32) -> [R] int64
 //                                         torch.argmax(x, -1): the first index of each row's largest value, of
@@ -25,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "pool_dtypes.h"
 #include "rows.h"
 
 namespace {
@@ -71,8 +73,8 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
-template <typename T>
-void rope_kv_rows(T* qkv, const T* cos, const T* sin, T* pool, const int64_t* pages, const int64_t* offsets,
+template <typename T, typename PT>
+void rope_kv_rows(T* qkv, const T* cos, const T* sin, PT* pool, const int64_t* pages, const int64_t* offsets,
                   int64_t tokens, int64_t hq, int64_t hkv, int64_t D, int64_t page_stride, int64_t head_stride,
                   int64_t kv_stride, int64_t token_stride) {
   const int64_t width = (hq + 2 * hkv) * D;
@@ -82,13 +84,13 @@ void rope_kv_rows(T* qkv, const T* cos, const T* sin, T* pool, const int64_t* pa
       load(cos + t * (D / 2), cs.data(), D / 2);
       load(sin + t * (D / 2), cs.data() + D / 2, D / 2);
       T* row = qkv + t * width;
-      T* slot = pool + pages[t] * page_stride + offsets[t] * token_stride;
+      PT* slot = pool + pages[t] * page_stride + offsets[t] * token_stride;
       for (int64_t h = 0; h < hq + hkv; ++h) {
         load(row + h * D, head.data(), D);
         disagg_rows::rope(head.data(), cs.data(), cs.data() + D / 2, D);
         store(head.data(), row + h * D, D);
         if (h >= hq) {  // a key head: K and V into the slot
-          T* k = slot + (h - hq) * head_stride;
+          PT* k = slot + (h - hq) * head_stride;
           std::copy(row + h * D, row + (h + 1) * D, k);
           std::copy(row + (h + hkv) * D, row + (h + hkv + 1) * D, k + kv_stride);
         }
@@ -103,16 +105,15 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
   TORCH_CHECK(qkv.device().is_cpu() && pool.device().is_cpu(), "rope_write_kv runs on the CPU");
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && hq > 0 && hkv > 0 && qkv.size(1) == hq + 2 * hkv,
               "qkv must be a contiguous [T, hq + 2 hkv, D]");
-  const int64_t T = qkv.size(0), D = qkv.size(2);
+  const int64_t tokens = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(D % 2 == 0, "the rotary embedding needs an even head size");
   const auto dt = qkv.scalar_type();
-  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && pool.scalar_type() == dt,
-              "qkv, cos, sin and the pool must share a dtype");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 && sin.sizes() == cos.sizes(),
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt, "qkv, cos and sin must share a dtype");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == D / 2 && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, D / 2]");
   TORCH_CHECK(pool.is_contiguous(), "the pool must be contiguous");
-  TORCH_CHECK(pages.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong && pages.numel() == T &&
-                  offsets.numel() == T,
+  TORCH_CHECK(pages.scalar_type() == torch::kLong && offsets.scalar_type() == torch::kLong && pages.numel() == tokens &&
+                  offsets.numel() == tokens,
               "pages and offsets: one int64 each a token");
   cos = cos.contiguous();
   sin = sin.contiguous();
@@ -121,18 +122,15 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
   const int64_t* pg = pages.data_ptr<int64_t>();
   const int64_t* of = offsets.data_ptr<int64_t>();
   const int64_t num_pages = pool.size(0);
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pg[t] >= 0 && pg[t] < num_pages && of[t] >= 0 && of[t] < page_size,
                 "slot (", pg[t], ", ", of[t], ") outside the pool (", num_pages, " pages of ", page_size, ")");
-  if (dt == torch::kFloat)
-    rope_kv_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pool.data_ptr<float>(), pg, of,
-                 T, hq, hkv, D, page_stride, head_stride, kv_stride, token_stride);
-  else if (dt == torch::kBFloat16)
-    rope_kv_rows(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
-                 pool.data_ptr<at::BFloat16>(), pg, of, T, hq, hkv, D, page_stride, head_stride, kv_stride,
-                 token_stride);
-  else
-    TORCH_CHECK(false, "rope_write_kv supports float32 and bfloat16, got ", dt);
+  disagg_dtypes::with_dtypes(qkv, pool, "rope_write_kv", [&](auto xt, auto pt) {
+    using T = typename decltype(xt)::type;
+    using PT = typename decltype(pt)::type;
+    rope_kv_rows(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), pool.data_ptr<PT>(), pg, of, tokens, hq, hkv, D,
+                 page_stride, head_stride, kv_stride, token_stride);
+  });
 }
 
 // The first index of x[0 .. n)'s largest value (of its first NaN if any), as torch.argmax.
