@@ -34,15 +34,14 @@ from torch_engine.decode_graphs import DecodeGraphs
 from torch_engine.guided import Guide
 from torch_engine.intake import Intake
 from torch_engine.kernels import cpu_kernels
-from torch_engine.kv_cache import PagedKVCache
 from torch_engine.layer_progress import LayerProgress
 from torch_engine.loader import EngineDescription, kernel_path, load_weights, prepare_cpu_path, run_dtype, weight_bytes
 from torch_engine.model_runner import ModelRunner
-from torch_engine.models import cache_spec
+from torch_engine.models import kv_cache
 from torch_engine.outputs import Outputs
 from torch_engine.pages import PageAllocator, PageStats
 from torch_engine.parallel import TPGroup
-from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats, PrefixCache
+from torch_engine.prefix_cache import NO_CACHE, CacheEvents, CacheStats, PrefixCache, cache_identity
 from torch_engine.request import FinishReason, Request, RequestKind, RequestOutput, RequestState
 from torch_engine.sampling import InvalidRequestError, SamplingParams
 from torch_engine.scheduler import Scheduler
@@ -79,9 +78,7 @@ class LLMEngine:
         graphs = config.decode_graphs if config.decode_graphs is not None else self._device.type == "cuda"
         graphs = graphs and self._tp.size == 1 and not mc.n_routed_experts
         pool_pages = config.num_pages + int(graphs)  # + the decode graphs' scratch page, outside the allocator
-        kv_dtype = config.kv_dtype.torch if config.kv_dtype is not None else self._dtype
-        spec = cache_spec(mc, self._tp.size, pool_pages, self._page_size, layout, kv_dtype)
-        self._kv = PagedKVCache(spec, self._device, self._dtype)
+        self._kv = kv_cache(config, mc, self._tp.size, pool_pages, self._page_size, layout, self._dtype, self._device)
         self._kv.kernels = cpu_kernels() if fast else None
         self._progress = LayerProgress(mc.num_kv_layers, self._device)
         self._spec = speculator or Speculator(config.speculative, self._max_model_len)
@@ -92,8 +89,7 @@ class LLMEngine:
             )
         pc = config.prefix_cache
         self._allocator = PageAllocator(config.num_pages, pc.max_cached_pages)
-        kv_tag = f"/kv-{kv_dtype}" if kv_dtype != self._dtype else ""  # pages held in another dtype differ
-        self._identity = f"{manifest.fingerprint}/{self._dtype}{kv_tag}/{layout.value}"
+        self._identity = cache_identity(manifest.fingerprint, self._dtype, self._kv.spec.dtype, layout)
         needs_mtp = self._spec.reads_mtp_kv if self._model.mtp is not None else None
         self._cache = PrefixCache(self._allocator, self._page_size, self._identity, needs_mtp) if pc.enabled else None
         s = config.scheduler

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from torch_engine.config import KVLayout
 from torch_engine.pages import PageAllocator
 from torch_engine.request import Request
 
@@ -59,6 +60,13 @@ class KVEvent:
     parent_block_hash: int | None = None  # STORED: the first block's parent (None: a chain's root)
     token_ids: tuple[int, ...] = ()  # STORED: the blocks' tokens, in order
     block_size: int = 0
+
+
+def cache_identity(fingerprint: str, dtype: object, kv_dtype: object, layout: KVLayout) -> str:
+    """What a page's bytes depend on besides its tokens: the model, the compute dtype, the pages' own dtype where
+    it differs (bf16 pages under an fp32 engine hold other values than fp32 ones), the layout."""
+    kv = f"/kv-{kv_dtype}" if kv_dtype != dtype else ""
+    return f"{fingerprint}/{dtype}{kv}/{layout.value}"
 
 
 def root_key(identity: str, salt: str | None) -> bytes:

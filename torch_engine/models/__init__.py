@@ -1,11 +1,12 @@
-"""Model families. ``build_model`` picks the module for a config; ``cache_spec`` sizes its KV pages."""
+"""Model families. ``build_model`` picks the module for a config; ``cache_spec`` sizes its KV pages, ``kv_cache``
+makes them."""
 
 from __future__ import annotations
 
 import torch
 
-from torch_engine.config import KVLayout, ModelConfig
-from torch_engine.kv_cache import KVCacheSpec
+from torch_engine.config import EngineConfig, KVLayout, ModelConfig
+from torch_engine.kv_cache import KVCacheSpec, PagedKVCache
 from torch_engine.models.decoder import CausalLM
 from torch_engine.models.deepseek import deepseek_model
 from torch_engine.models.llama import llama_model, local_kv_heads
@@ -33,3 +34,13 @@ def cache_spec(
         kv_heads=local_kv_heads(cfg, tp_size),
         head_dim=cfg.head_dim,
     )
+
+
+def kv_cache(
+    config: EngineConfig, cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout,
+    dtype: torch.dtype, device: torch.device,
+) -> PagedKVCache:  # fmt: skip
+    """A rank's paged KV cache, its pages held in ``config.kv_dtype`` (None: the compute ``dtype``) and read back
+    as ``dtype``."""
+    kv_dtype = config.kv_dtype.torch if config.kv_dtype is not None else dtype
+    return PagedKVCache(cache_spec(cfg, tp_size, num_pages, page_size, layout, kv_dtype), device, dtype)
