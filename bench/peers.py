@@ -112,13 +112,15 @@ def _stored_type(path: Path) -> str:
     for a mix), else its most common tensor type among its 2-D weights."""
     from collections import Counter
 
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    reader = GGUFReader(str(path))
+    from builders.gguf_file import read_gguf
+
+    reader = read_gguf(path)
     field = reader.fields.get("general.file_type")
-    if field is not None:
+    if isinstance(field, int):
         try:
-            return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+            return LlamaFileType(field).name.removeprefix("MOSTLY_")
         except ValueError:
             pass  # a type this gguf version does not know: fall back to the tensors
     types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from builders.checkpoint import Checkpoint
 from builders.errors import BuildError
 from builders.gguf_convert import convert, converts
+from builders.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from builders.quantize import QuantReport
 from torch_engine.config import Family, ModelConfig
 from torch_engine.gguf_blocks import from_gguf_blocks
@@ -53,7 +53,7 @@ def _unpermute(w: Weight, n_heads: int) -> Weight:
     return w.rows(order) if isinstance(w, Packed) else w[order]
 
 
-def _tensor(path: Path, t: Any, packed: bool, report: QuantReport) -> Weight:
+def _tensor(path: Path, t: GGUFTensor, packed: bool, report: QuantReport) -> Weight:
     kinds = {int(k) for k in QuantKind}
     shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None  # GGUF lists [K, N]
     try:
@@ -72,9 +72,24 @@ def _tensor(path: Path, t: Any, packed: bool, report: QuantReport) -> Weight:
     return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
+
+
+def save_gguf_tokenizer(path: Path, out: Path, byte_level: bool) -> None:
+    """The tokenizer of the GGUF file ``path``, as transformers converts it, saved into ``out``. A byte-level BPE
+    (``tokenizer.ggml.model`` gpt2: SmolLM2, Llama 3) is built by the class ``AutoTokenizer`` picks for it,
+    directly: ``AutoTokenizer`` first reads the file's whole model config through gguf-py to learn that class
+    (~10 s of a ~28 s SmolLM2 build, for the same files; ``tests/test_gguf_tokenizer.py`` checks they stay the
+    same); a sentencepiece vocabulary goes through ``AutoTokenizer`` (its class depends on more than the file)."""
+    from transformers import AutoTokenizer, TokenizersBackend  # the GGUF tokenizer converter lives in transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        link = Path(tmp) / path.name
+        link.symlink_to(path.resolve())
+        loader = TokenizersBackend if byte_level else AutoTokenizer
+        tok = loader.from_pretrained(tmp, gguf_file=path.name)
+    tok.save_pretrained(str(out))
 
 
 def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
@@ -83,7 +98,7 @@ def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     (``builders/gguf_convert.py``: IQ4_XS, the other IQ formats; the error in ``Checkpoint.converted``);
     otherwise every tensor is dequantised to fp32."""
     try:
-        reader = GGUFReader(str(path))
+        reader = read_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise BuildError(f"{path} is not a valid GGUF file: {exc}") from exc
     arch = _field(reader, "general.architecture")
@@ -95,8 +110,8 @@ def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
     heads = int(_field(reader, p + "attention.head_count"))
     kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
     hidden = int(_field(reader, p + "embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, p + "vocab_size", len(tokens.data) if tokens is not None else 0))
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+    vocab = int(_field(reader, p + "vocab_size", len(tokens)))
     tensors: dict[str, Weight] = {}
     report = QuantReport()
     for t in reader.tensors:
@@ -129,14 +144,10 @@ def load_gguf(path: Path, packed: bool = True) -> Checkpoint:
         eos_token_ids=() if eos is None else (int(eos),),
     )
 
-    def save_tokenizer(out: Path) -> bool:
-        from transformers import AutoTokenizer  # the GGUF tokenizer converter lives in transformers
+    byte_level = _field(reader, "tokenizer.ggml.model") == "gpt2"
 
-        with tempfile.TemporaryDirectory() as tmp:
-            link = Path(tmp) / path.name
-            link.symlink_to(path.resolve())
-            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
-        tok.save_pretrained(str(out))
+    def save_tokenizer(out: Path) -> bool:
+        save_gguf_tokenizer(path, out, byte_level)
         return True
 
     if report.tensors:

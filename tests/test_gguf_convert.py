@@ -120,16 +120,15 @@ def test_iq4_xs_becomes_iq4_nl_within_its_scales_fp16_rounding() -> None:
 def test_an_iq4_xs_scale_fp16_cannot_hold_is_a_build_error_naming_the_tensor() -> None:
     """``d * (scale - 32)`` past fp16's range (a large ``d``: not seen in real files) fits no fp16-scaled block format
     (IQ4_NL's scale would be inf, Q8_0's too): the import fails naming the tensor, the cause and ``--weights fp32``."""
-    from types import SimpleNamespace
-
     from builders.errors import BuildError
+    from builders.gguf_file import GGUFTensor
     from builders.gguf_import import _tensor
 
     n, k = 4, 256
     raw = _random_k_blocks(T.IQ4_XS, n, k, seed=8).reshape(n, 1, 136).copy()
     raw[:, :, 0:2] = np.full((n, 1, 1), 30000, dtype=np.float16).view(np.uint8)  # d 30000: d * 31 > 65504
     raw[:, :, 2:8] = 0xFF  # every 6-bit scale 63: 31 after the offset
-    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.IQ4_XS, shape=[k, n], data=raw.reshape(n, 136))
+    t = GGUFTensor(name="blk.0.ffn_down.weight", tensor_type=T.IQ4_XS, shape=(k, n), data=raw.reshape(n, 136))
     with pytest.raises(BuildError, match=r"blk\.0\.ffn_down\.weight.*fp16's range.*--weights fp32"):
         _tensor(Path("x.gguf"), t, True, QuantReport())
 
@@ -148,13 +147,12 @@ def test_the_k_quants_and_iq4_nl_are_kept_as_stored(qtype: GGMLQuantizationType,
     """Any Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL bit pattern (random blocks: every quant, every scale and minimum,
     Q6_K's int8 scales down to -128) imports as stored, at the file's bits a weight (Q3_K / Q4_K / Q5_K: their 6-bit
     scales and minimums a byte each, 0.125 bits a weight more), and dequantises bit-equal to gguf."""
-    from types import SimpleNamespace
-
+    from builders.gguf_file import GGUFTensor
     from builders.gguf_import import _tensor
 
     n, k = 24, 768
     raw = _random_k_blocks(qtype, n, k, seed=4)
-    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=qtype, shape=[k, n], data=raw)
+    t = GGUFTensor(name="blk.0.ffn_down.weight", tensor_type=qtype, shape=(k, n), data=raw)
     report = QuantReport()
     p = _tensor(Path("x.gguf"), t, True, report)
     assert isinstance(p, Packed) and p.kind is QuantKind(int(qtype)) and p.nbytes == n * k * bits / 8
@@ -164,12 +162,11 @@ def test_the_k_quants_and_iq4_nl_are_kept_as_stored(qtype: GGMLQuantizationType,
 def test_a_format_gguf_cannot_dequantise_is_a_build_error_naming_it(tmp_path: Path) -> None:
     """Q8_K (llama.cpp's intermediate format; gguf's Python package has no dequantisation for it) in a file:
     the import fails with a BuildError naming the tensor and its type, packed or dense."""
-    from types import SimpleNamespace
-
     from builders.errors import BuildError
+    from builders.gguf_file import GGUFTensor
     from builders.gguf_import import _tensor
 
-    t = SimpleNamespace(name="blk.0.ffn_down.weight", tensor_type=T.Q8_K, shape=[256, 4],
+    t = GGUFTensor(name="blk.0.ffn_down.weight", tensor_type=T.Q8_K, shape=(256, 4),
                         data=np.zeros((4, 292), dtype=np.uint8))  # fmt: skip
     for packed in (True, False):
         with pytest.raises(BuildError, match=r"blk\.0\.ffn_down\.weight \(Q8_K\)"):
