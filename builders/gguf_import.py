@@ -80,8 +80,9 @@ def save_gguf_tokenizer(path: Path, out: Path, byte_level: bool) -> None:
     """The tokenizer of the GGUF file ``path``, as transformers converts it, saved into ``out``. A byte-level BPE
     (``tokenizer.ggml.model`` gpt2: SmolLM2, Llama 3) is built by the class ``AutoTokenizer`` picks for it,
     directly: ``AutoTokenizer`` first reads the file's whole model config through gguf-py to learn that class
-    (~10 s of a ~28 s SmolLM2 build, for the same files; ``tests/test_gguf_tokenizer.py`` checks they stay the
-    same); a sentencepiece vocabulary goes through ``AutoTokenizer`` (its class depends on more than the file)."""
+    (~10 s of the 20.6 s SmolLM2 build before, for the same files; ``tests/test_gguf_tokenizer.py`` checks they
+    stay the same); a sentencepiece vocabulary goes through ``AutoTokenizer`` (its class depends on more than
+    the file)."""
     from transformers import AutoTokenizer, TokenizersBackend  # the GGUF tokenizer converter lives in transformers
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,32 +4,14 @@ compute dtype and in ``--kv-dtype``, alternated in one process (``--rounds`` rou
 from __future__ import annotations
 
 import argparse
-import time
+import dataclasses
+import random
 
 import torch
 
-from bench.engine import Options, _engine, _prompts
+from bench.engine import Options, _engine
+from bench.profile import decode_time
 from builders.arguments import engine_dir_of, engine_source_arguments
-from torch_engine.engine import LLMEngine
-from torch_engine.sampling import SamplingParams
-
-
-def median_step(engine: LLMEngine, batch: int, steps: int) -> float:
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    vocab = engine.describe().model.vocab_size
-    ids = [engine.add_request(prompt, params) for prompt in _prompts(batch, 256, vocab, 7)]
-    while not all(engine.request(i).output_ids for i in ids):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    while engine.has_unfinished():
-        engine.step()
-    for i in ids:
-        engine.retire(i)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -46,8 +28,7 @@ def main() -> None:
     engines = {}
     for kv in (None, a.kv_dtype):
         opts = Options(engine_dir_of(a), "cpu", "auto", [a.threads], 256, a.steps + 2, [top], 1, False, None)
-        opts.kv_dtype = kv
-        engines[kv] = _engine(opts)
+        engines[kv] = _engine(dataclasses.replace(opts, kv_dtype=kv))
     for kv, e in engines.items():
         d = e.describe()
         print(f"# KV {kv or 'compute dtype'}: dtype {d.dtype}, pages {d.kv_dtype}, {d.kv_bytes_per_token} B/token, "
@@ -56,7 +37,7 @@ def main() -> None:
         best: dict[str | None, float] = {}
         for _ in range(a.rounds):
             for kv, e in engines.items():
-                ms = median_step(e, batch, a.steps)
+                ms = 1e3 * decode_time(e, batch, 256 + a.steps // 2, a.steps, random.Random(7))  # 256-token prompts
                 best[kv] = min(best.get(kv, ms), ms)
         base, other = best[None], best[a.kv_dtype]
         print(

@@ -5,8 +5,6 @@
 
 #include <torch/extension.h>
 
-#include <type_traits>
-
 namespace disagg_dtypes {
 
 template <typename T>
@@ -14,25 +12,22 @@ struct Tag {
   using type = T;
 };
 
+// fn(Tag<float>{}) or fn(Tag<at::BFloat16>{}) for t's dtype; another dtype is an error naming `who` and `what`.
 template <typename Fn>
-void with_pool(const torch::Tensor& pool, const char* who, const Fn& fn) {
-  if (pool.scalar_type() == torch::kFloat)
+void with_type(const torch::Tensor& t, const char* who, const char* what, const Fn& fn) {
+  if (t.scalar_type() == torch::kFloat)
     fn(Tag<float>{});
-  else if (pool.scalar_type() == torch::kBFloat16)
+  else if (t.scalar_type() == torch::kBFloat16)
     fn(Tag<at::BFloat16>{});
   else
-    TORCH_CHECK(false, who, ": the KV pool must be float32 or bfloat16, got ", pool.scalar_type());
+    TORCH_CHECK(false, who, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
 template <typename Fn>
 void with_dtypes(const torch::Tensor& x, const torch::Tensor& pool, const char* who, const Fn& fn) {
-  auto on_pool = [&](auto xt) { with_pool(pool, who, [&](auto pt) { fn(xt, pt); }); };
-  if (x.scalar_type() == torch::kFloat)
-    on_pool(Tag<float>{});
-  else if (x.scalar_type() == torch::kBFloat16)
-    on_pool(Tag<at::BFloat16>{});
-  else
-    TORCH_CHECK(false, who, " supports float32 and bfloat16 activations, got ", x.scalar_type());
+  with_type(x, who, "the activations", [&](auto xt) {
+    with_type(pool, who, "the KV pool", [&](auto pt) { fn(xt, pt); });
+  });
 }
 
 }  // namespace disagg_dtypes

@@ -6,9 +6,9 @@
 //   rope_write_kv(qkv [T, Hq + 2 Hkv, D], cos [T, D / 2], sin, pool, pages [T], offsets [T], hq, hkv, page_size,
 //                 page_stride, head_stride, kv_stride, token_stride)
 //                                         the Hq query and Hkv key heads rotated in place (HF's rotate_half),
-//                                         each token's K and V heads written into its pool slot (fp32 or bf16,
-//                                         either with qkv's; the pool's
-//                                         strides as paged_decode_attention takes them)
+//                                         each token's K and V heads written into its pool slot (the pool fp32
+//                                         or bf16, either with qkv's; its strides as paged_decode_attention
+//                                         takes them)
 //   argmax_rows(x [R, V] fp32) -> [R] int64
 //                                         torch.argmax(x, -1): the first index of each row's largest value, of
 //                                         its first NaN if it has one (PyTorch's is a scalar pass, ~1 ns a value:
