@@ -255,7 +255,7 @@ def measure(opts: Options) -> Report:
         info.kernel_path, _device_info(opts.device),
         opts.prompt_len, opts.decode_tokens, opts.repeats, info.weight_bytes, info.kv_bytes_per_token,
     )  # fmt: skip
-    print(f"[bench] {report.cpu['model']}; dtype {report.dtype}; KV pages {report.kv_dtype}; "
+    print(f"[bench] {cpu_info().label}; dtype {report.dtype}; KV pages {report.kv_dtype}; "
           f"kernel path {report.kernel_path}", flush=True)  # fmt: skip
     context = opts.prompt_len + opts.decode_tokens // 2  # mean context over the decode steps
     for threads in opts.threads:

@@ -102,14 +102,14 @@ def measure_profile(
     desc = engine.describe()
     dtype = str(desc.dtype).removeprefix("torch.")
     cpu = cpu_info()
-    name = f"{cpu.model}, {threads} thread{'s' if threads > 1 else ''}, {dtype}"
+    name = f"{cpu.label}, {threads} thread{'s' if threads > 1 else ''}, {dtype}"
     rng = random.Random(0)
     prefill_time(engine, min(prefill_tokens), 1, rng)  # warm-up
     prefill = [(n, prefill_time(engine, n, repeats, rng)) for n in prefill_tokens]
     grid = [[decode_time(engine, b, c, steps, rng) for c in contexts] for b in batches]
     kv_bytes = desc.kv_bytes_per_token
     info = {
-        "cpu": cpu.model,
+        "cpu": cpu.label,
         "flags": " ".join(sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)),
         "threads": str(torch.get_num_threads()),
         "dtype": dtype,
