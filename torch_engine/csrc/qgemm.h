@@ -65,16 +65,14 @@ namespace disagg_q {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t GROUP = 16;
-// How far ahead the weight stream is prefetched, every cache line of the block that far ahead (one line
-// a block left the hardware prefetcher 3 of a Q4 block's 4 lines: the fused step's GEMMs streamed at ~0.7
-// of the read bandwidth at one row, at ~1.0 with every line; SmolLM2's batch-1 step -20 %): at one row 32
+// How far ahead the weight stream is prefetched (prefetch_blocks(), after the kinds below), every cache line of the
+// block that far ahead (one line a block left the hardware prefetcher 3 of a Q4 block's 4 lines: the fused step's
+// GEMMs streamed at ~0.7 of the read bandwidth at one row, at ~1.0 with every line; SmolLM2's batch-1 step -20 %): at one row 32
 // blocks (8 KB of Q4, 16 KB of Q8; the groups lie one after the other, so this runs into the next group),
 // with more rows each block takes longer and 8 ahead is enough (A/B on the AVX-512 Zen 4, 2026-12-02: 32 / 8
-// vs 16 / 4 equal at one row, -3-8 % at 8 rows).
-template <int R>
-constexpr int64_t prefetch_blocks() {
-  return R == 1 ? 32 : 8;
-}
+// vs 16 / 4 equal at one row, -3-8 % at 8 rows). Q8_0 at two rows (the lm_head's `precise` pair at batch 1) still
+// reads at the memory's pace and takes 16 (session 38, the same Zen 4, alternated in one process: SmolLM2's batch-1
+// step 1.017x / 1.034x faster at one / two threads; 16 for every kind at two rows left the batch-2 step 0.97-1.0x).
 template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
@@ -111,6 +109,10 @@ constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacke
 }
 constexpr bool byte_quants(Kind k) {  // a byte each
   return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K || k == U8_Q2K;
+}
+template <Kind KD, int R>
+constexpr int64_t prefetch_blocks() {
+  return R == 1 ? 32 : (R == 2 && byte_quants(KD) ? 16 : 8);
 }
 constexpr bool q2_mins(Kind k) { return k == Q2_K || k == U8_Q2K; }  // Q2_K's minimum per 16 weights
 constexpr bool sub_scales(Kind k) {  // a scale per 16 weights (int8; Q2_K: 4 bits, beside a 4-bit minimum)
@@ -340,7 +342,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
   __m512 dsup = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = qg + b * BB;
-    prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);
+    prefetch_block<BB>(qb + prefetch_blocks<KD, R>() * BB);
     __m512i wv[8];
     if constexpr (KD == Q8_0) {
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(qb + c * 64), flip);
@@ -528,7 +530,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* qb = qg + b * BB;
-    if (h == 0) prefetch_block<BB>(qb + prefetch_blocks<R>() * BB);  // the lines of both halves
+    if (h == 0) prefetch_block<BB>(qb + prefetch_blocks<KD, R>() * BB);  // the lines of both halves
     const uint16_t* db = dg + d_entry(KD, b) * GROUP;
     __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
     __m256 mv = _mm256_setzero_ps();
