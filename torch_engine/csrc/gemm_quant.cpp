@@ -170,9 +170,12 @@ struct QuantizedAct {
   }
 };
 
-QuantizedAct quantize(const torch::Tensor& x) {
+// x [R, K] quantized per 32-block; with `residual`, 2R rows: x's, then each row's rounding residual x - dx * q
+// quantized in turn (gemm_q8's precise).
+QuantizedAct quantize(const torch::Tensor& x, bool residual = false) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0, "activations must be [R, K] with K a multiple of 32");
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  if (residual) xf = torch::cat({xf, torch::empty_like(xf)});
   const int64_t R = xf.size(0), K = xf.size(1), NB = K / BLOCK;
   QuantizedAct a{torch::empty({R, K}, torch::TensorOptions().dtype(torch::kChar)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
@@ -187,8 +190,16 @@ QuantizedAct quantize(const torch::Tensor& x) {
   float* dxs = a.dxs.data_ptr<float>();
   int32_t* slo = a.slo.data_ptr<int32_t>();
   float* dxlo = a.dxlo.data_ptr<float>();
-  at::parallel_for(0, R, 4,
-                   [&](int64_t r0, int64_t r1) { disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo, dxlo); });
+  const int64_t first = residual ? R / 2 : R;  // rows of x
+  at::parallel_for(0, first, 4, [&](int64_t r0, int64_t r1) {
+    disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo, dxlo);
+    if (!residual) return;
+    float* res = xf.data_ptr<float>();
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < K; ++k)
+        res[(first + r) * K + k] = xp[r * K + k] - static_cast<float>(q[r * K + k]) * dx[r * NB + k / BLOCK];
+    disagg_q::quantize_rows(xp, first + r0, first + r1, K, q, dx, s, dxs, slo, dxlo);
+  });
   return a;
 }
 
@@ -207,15 +218,9 @@ torch::Tensor gemm_q8(torch::Tensor x, int64_t kind, torch::Tensor qs16, torch::
   const auto out_dtype = x.scalar_type();
   TORCH_CHECK(out_dtype == torch::kFloat || out_dtype == torch::kBFloat16, "gemm_q8 takes fp32 or bf16 x");
   const int64_t R = x.size(0);
-  torch::Tensor rows = x.to(torch::kFloat).contiguous();
-  if (precise) {
-    const QuantizedAct hi = quantize(rows);
-    const torch::Tensor step = hi.dx.repeat_interleave(BLOCK, 1);
-    rows = torch::cat({rows, rows - hi.q.to(torch::kFloat) * step});
-  }
-  const QuantizedAct a = quantize(rows);
+  const QuantizedAct a = quantize(x, precise);
   const disagg_q::ActQ8 av = a.view();
-  const int64_t RR = rows.size(0);
+  const int64_t RR = a.q.size(0);
   auto y = torch::empty({RR, N}, torch::TensorOptions().dtype(torch::kFloat));
   torch::Tensor bf;
   const float* bp = nullptr;
