@@ -6,15 +6,22 @@ returns None, with a warning, where no compiler is available, so the engine fall
 PyTorch ops. The build directory is keyed by the torch version, the compiler flags and the
 CPU's instruction-set flags: ``-march=native`` code never runs on a CPU it was not built for.
 The first build takes about a minute on two cores; later loads take milliseconds.
+
+A build holds an exclusive ``flock`` on ``build.flock`` in its directory (the kernel drops it when the process
+dies): a build that was interrupted (Ctrl-C, a killed test) leaves torch's own ``lock`` file behind, on which every
+later load would wait forever; the next builder, holding the flock, knows that file is stale and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -56,22 +63,39 @@ def build_dir(march: str = "native") -> Path:
     return BUILD_ROOT / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def exclusive_build(out: Path) -> Iterator[None]:
+    """Hold ``out``'s build flock (waiting for another process's build to end or die); inside it, torch's
+    ``lock`` file can only be one an interrupted build left, and is removed (logged)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "build.flock", "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by an interrupted kernel build", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False, march: str = "native") -> ModuleType:
     from torch.utils.cpp_extension import load
 
     out = build_dir(march)
-    out.mkdir(parents=True, exist_ok=True)
     venv_bin = str(Path(sys.executable).parent)  # torch runs `ninja` from PATH; pip installs it next to python
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join(p for p in (venv_bin, os.environ.get("PATH")) if p)
-    return load(
-        name="disagg_cpu_kernels",
-        sources=[str(p) for p in SOURCES],
-        build_directory=str(out),
-        extra_cflags=_flags(march),
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
+    with exclusive_build(out):
+        return load(
+            name="disagg_cpu_kernels",
+            sources=[str(p) for p in SOURCES],
+            build_directory=str(out),
+            extra_cflags=_flags(march),
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
 
 
 def use_march(level: str) -> None:
