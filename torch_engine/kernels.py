@@ -68,16 +68,13 @@ def exclusive_build(out: Path) -> Iterator[None]:
     """Hold ``out``'s build flock (waiting for another process's build to end or die); inside it, torch's
     ``lock`` file can only be one an interrupted build left, and is removed (logged)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "build.flock", "a+b") as f:
+    with open(out / "build.flock", "a+b") as f:  # closing it drops the flock
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            stale = out / "lock"
-            if stale.exists():
-                log.warning("removing %s, left by an interrupted kernel build", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        stale = out / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by an interrupted kernel build", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def build(verbose: bool = False, march: str = "native") -> ModuleType:

@@ -398,7 +398,7 @@ inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const 
 // no prefetch distance or hint changed that, touching each window first did (AVX-512 Zen 4, 2026-12-03).
 // Touched in address order: in HND pages each (head, K / V) slice's tokens as one run of lines, a page at a time
 // (token after token across the 2H slices was 2H interleaved streams of 128 bytes each: the same Zen 4, session
-// 38, alternated in one process: the step 1.045x faster at batch 1 (context 256 -> 1,256) and 1.05-1.07x at batch 8,
+// 38, alternated in one process: the step 1.045x faster at batch 1 (context 256 -> 1,256) and 1.05-1.08x at batch 8,
 // one thread). Prefetching the next layer's K / V during this layer's GEMMs, prefetches instead of loads here, and
 // touching a thread's whole layer first were each slower, prefetch_chunk() in the same order no faster (the same
 // session).

@@ -183,7 +183,7 @@ QuantizedAct quantize(const torch::Tensor& x, bool residual = false) {
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kInt)),
                  torch::empty({R, NB}, torch::TensorOptions().dtype(torch::kFloat))};
-  const float* xp = xf.data_ptr<float>();
+  float* xp = xf.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* dx = a.dx.data_ptr<float>();
   int32_t* s = a.s.data_ptr<int32_t>();
@@ -194,10 +194,9 @@ QuantizedAct quantize(const torch::Tensor& x, bool residual = false) {
   at::parallel_for(0, first, 4, [&](int64_t r0, int64_t r1) {
     disagg_q::quantize_rows(xp, r0, r1, K, q, dx, s, dxs, slo, dxlo);
     if (!residual) return;
-    float* res = xf.data_ptr<float>();
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t k = 0; k < K; ++k)
-        res[(first + r) * K + k] = xp[r * K + k] - static_cast<float>(q[r * K + k]) * dx[r * NB + k / BLOCK];
+        xp[(first + r) * K + k] = xp[r * K + k] - static_cast<float>(q[r * K + k]) * dx[r * NB + k / BLOCK];
     disagg_q::quantize_rows(xp, first + r0, first + r1, K, q, dx, s, dxs, slo, dxlo);
   });
   return a;

@@ -65,18 +65,6 @@ namespace disagg_q {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t GROUP = 16;
-// How far ahead the weight stream is prefetched (prefetch_blocks(), after the kinds below), every cache line of the
-// block that far ahead (one line a block left the hardware prefetcher 3 of a Q4 block's 4 lines: the fused step's
-// GEMMs streamed at ~0.7 of the read bandwidth at one row, at ~1.0 with every line; SmolLM2's batch-1 step -20 %): at one row 32
-// blocks (8 KB of Q4, 16 KB of Q8; the groups lie one after the other, so this runs into the next group),
-// with more rows each block takes longer and 8 ahead is enough (A/B on the AVX-512 Zen 4, 2026-12-02: 32 / 8
-// vs 16 / 4 equal at one row, -3-8 % at 8 rows). Q8_0 at two rows (the lm_head's `precise` pair at batch 1) still
-// reads at the memory's pace and takes 16 (session 38, the same Zen 4, alternated in one process: SmolLM2's batch-1
-// step 1.017x / 1.034x faster at one / two threads; 16 for every kind at two rows left the batch-2 step 0.97-1.0x).
-template <int64_t BB>
-inline void prefetch_block(const uint8_t* p) {
-  for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
-}
 // GGML's type ids; and U8_MIN / U8_K5 / U8_Q6K / U8_Q2K, never stored: a Q5_1 / Q5_K / Q6_K (or Q3_K) / Q2_K group
 // unpacked to one unsigned byte a weight (Q8's layout, the q of 0..31 / 0..63 as they are (Q3_K's + 28; Q2_K's times
 // their 4-bit scale), the source's scales and minimums), which AVX-512 computes past 32 rows.
@@ -109,6 +97,18 @@ constexpr bool unpacks(Kind k) {  // past UNPACK_ROWS rows each group is unpacke
 }
 constexpr bool byte_quants(Kind k) {  // a byte each
   return k == Q8_0 || k == U8_MIN || k == U8_K5 || k == U8_Q6K || k == U8_Q2K;
+}
+// How far ahead the weight stream is prefetched, every cache line of the block that far ahead (one line a block
+// left the hardware prefetcher 3 of a Q4 block's 4 lines: the fused step's GEMMs streamed at ~0.7 of the read
+// bandwidth at one row, at ~1.0 with every line; SmolLM2's batch-1 step -20 %): at one row 32 blocks (8 KB of Q4,
+// 16 KB of Q8; the groups lie one after the other, so this runs into the next group), with more rows each block takes
+// longer and 8 ahead is enough (A/B on the AVX-512 Zen 4, 2026-12-02: 32 / 8 vs 16 / 4 equal at one row, -3-8 % at 8
+// rows). Q8_0 at two rows (the lm_head's `precise` pair at batch 1) still reads at the memory's pace and takes 16
+// (session 38, the same Zen 4, alternated in one process: SmolLM2's batch-1 step 1.017x / 1.034x faster at one / two
+// threads; 16 for every kind at two rows left the batch-2 step 0.97-1.0x).
+template <int64_t BB>
+inline void prefetch_block(const uint8_t* p) {
+  for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
 template <Kind KD, int R>
 constexpr int64_t prefetch_blocks() {
