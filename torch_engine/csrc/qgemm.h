@@ -517,6 +517,13 @@ inline __m256i fifth_bits(uint32_t bits, char value = 0x10) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
 }
 
+// Tiles of more than one row take the plain nibbles (Q4_0 / Q4_1 / Q4_K) out once a block for all their rows instead
+// of once a row (the AVX2-only Zen 3 of 2026-12-07, family 25 model 1, one thread, alternated in one process: Q4_1 /
+// Q4_K 1.13-1.18x, Q4_0 1.03-1.07x at 4-64 rows; BENCHMARKS.md). The integer sums and their float order are as before,
+// so a row computes the same alone and in a batch. One row keeps the loop that takes them out as it reads.
+template <Kind KD, int R>
+constexpr bool hoisted_nibbles() { return R > 1 && (KD == Q4_0 || KD == Q4_1 || KD == Q4_K); }
+
 template <Kind KD, int R>
 inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h, __m256 acc[R]) {
   constexpr int64_t BB = Q16::block_bytes(KD);
@@ -545,7 +552,7 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
     } else if constexpr (has_min(KD)) {
       mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * GROUP)));
     }
-    __m256i w5[8];  // Q5: the block's 5-bit quants, unpacked once for all rows (IQ4_NL: its int8 values)
+    __m256i w5[8];  // the block unpacked once for all rows: Q5 / Q6_K / Q3_K / Q2_K quants, IQ4_NL values, nibbles
     if constexpr (KD == IQ4_NL) {
       const __m256i table =
           _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES)));
@@ -576,6 +583,12 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
           if constexpr (KD == Q3_K)
             w5[4 * u + t] = _mm256_or_si256(w5[4 * u + t], fifth_bits(half_bits(qb, 4 * u + t, h, bits_at(Q3_K)), 0x04));
         }
+      }
+    } else if constexpr (hoisted_nibbles<KD, R>()) {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
+        w5[2 * c] = _mm256_and_si256(v, low4);
+        w5[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
     } else if constexpr (has_high(KD)) {
       for (int c = 0; c < 4; ++c) {
@@ -640,8 +653,13 @@ inline void half_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, int h
                                              _mm256_maddubs_epi16(w5[2 * c + 1], _mm256_set1_epi32(xi[2 * c + 1])));
           a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
         }
-      } else {
+      } else if constexpr (hoisted_nibbles<KD, R>()) {
         // 8 products of <= 15 * 127 per 16-bit lane pair: at most 30,480, no saturation
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w5[c], _mm256_set1_epi32(xi[c])));
+        a = _mm256_madd_epi16(p, ones);
+      } else {
+        // (as above; one row: its nibbles taken out as the block is read)
         __m256i p = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 64));
