@@ -236,6 +236,26 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
 }
 #endif
 
+// The cache lines of the next chunk's K / V of one KV head, prefetched a few at a time from inside chunk_avx2's loops,
+// spread over its compute. On the AVX2-only Zen 3 (family 25 model 1) touch_range's window of loads and the chunks'
+// compute ran one after the other (SmolLM2's 30 layers at 16 x 290 tokens, fp32 pages, 214 MB: 26-30 ms from DRAM,
+// 14.4 ms in L3), and prefetches in bursts — a chunk or a head at a time, 1-8 chunks ahead — were slower still
+// (0.88-0.98x): a burst fills the miss buffers and the chunk's own loads wait behind it. A line per 8 FMAs of the
+// scores and two per token of the weighted values: 1.29-1.36x faster at 290 tokens, 1.38x at 1,000, 1.10x at 37, 0.97x
+// with the K / V in cache (alternated in one process; BENCHMARKS.md).
+struct PfCursor {
+  const char* const* rows = nullptr;  // the next chunk's K rows of this head (V at + kv_bytes); n = 0: none
+  int64_t n = 0, kv_bytes = 0, lines = 0;  // tokens, V's offset in bytes, cache lines a row
+  int64_t i = 0;                           // the next line: token i / (2 lines), K or V, line
+  void step(int64_t k) {
+    for (const int64_t end = n * 2 * lines; k > 0 && i < end; --k, ++i) {
+      const int64_t r = i % (2 * lines);
+      __builtin_prefetch(rows[i / (2 * lines)] + (r >= lines ? kv_bytes : 0) + (r % lines) * 64, 0, 3);
+    }
+  }
+  void finish() { step(n * 2 * lines); }
+};
+
 #if defined(DISAGG_ATTN_AVX2)
 // exp(x) as exp512() in 8 lanes; 2^n built in the exponent bits (n in [-126, 127] after the clamp).
 inline __m256 exp256(__m256 x) {
@@ -266,7 +286,7 @@ inline __m256 hsum8(const __m256 a[8]) {
 // accumulators reduced by hsum8), exp vectorised, value accumulators in registers (even and odd tokens).
 template <int64_t DV>
 inline void chunk_avx2(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
-                       int64_t dyn_dv, float* acc, float* m, float* l) {
+                       int64_t dyn_dv, float* acc, float* m, float* l, PfCursor& pf) {
   const int64_t nv = DV > 0 ? DV : dyn_dv;
   alignas(32) float sc[CHUNK];
   for (int64_t g = 0; g < G; ++g) {
@@ -279,6 +299,7 @@ inline void chunk_avx2(const float* qf, const float* const* krow, const float* c
       for (int64_t v = 1; v < nv; ++v) {
         const __m256 qv = _mm256_loadu_ps(qg + v * 8);
         for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + v * 8), a[t]);
+        pf.step(1);
       }
       _mm256_store_ps(sc + half * 8, hsum8(a));
     }
@@ -305,6 +326,7 @@ inline void chunk_avx2(const float* qf, const float* const* krow, const float* c
       for (int64_t t = 0; t < len; ++t) {
         const __m256 p = _mm256_set1_ps(sc[t]);
         for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[t] + (v0 + w) * 8), av[w]);
+        pf.step(2);
       }
       for (int64_t w = 0; w < NW; ++w) _mm256_storeu_ps(ag + (v0 + w) * 8, av[w]);
     }
@@ -572,13 +594,30 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
   const T* base[CHUNK];  // each token's K of head 0
   const float* krow[CHUNK];
   const float* vrow[CHUNK];
+#if defined(DISAGG_ATTN_AVX2)
+  // the first chunk touched; each next one prefetched a few lines at a time from inside the chunk kernel (PfCursor)
+  constexpr bool spread = true;
+  const int64_t window = CHUNK;
+#else
+  constexpr bool spread = false;
   const int64_t window = touch_chunks(H, D, static_cast<int64_t>(sizeof(T))) * CHUNK;
+#endif
+  const T* next[CHUNK];  // the next chunk's K of head 0 (spread)
+  const char* lines[CHUNK];
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
-    if ((cs - t0) % window == 0)
+    if (spread ? cs == t0 : (cs - t0) % window == 0)
       touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
     const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
-    prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
+    int64_t next_len = 0;
+    if constexpr (spread) {
+      if (cs + CHUNK < t1) next_len = chunk_rows(pool, row, cs + CHUNK, t1, P, page_stride, token_stride, next);
+    } else {
+      prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
+    }
     for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
+      PfCursor pf{lines, next_len, kv_stride * static_cast<int64_t>(sizeof(T)),
+                  (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, 0};
       for (int64_t t = 0; t < len; ++t) {
         const T* k = base[t] + h * head_stride;
         if constexpr (std::is_same_v<T, float>) {
@@ -601,11 +640,13 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
       }
 #elif defined(DISAGG_ATTN_AVX2)
       if (D % 8 == 0) {
-        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh);
+        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh, pf);
+        pf.finish();
         continue;
       }
 #endif
       chunk_plain(qh, krow, vrow, len, G, D, ah, mh, lh, sc);
+      pf.finish();
     }
   }
 }
