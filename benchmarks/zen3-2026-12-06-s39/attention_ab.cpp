@@ -4,7 +4,7 @@
 // 290 tokens), "hot": every layer on the first one's pool (7 MB, in L3). Prints old -> new ms, the ratio and the
 // largest difference of the normalised outputs. Session 39 (AVX2-only Zen 3), attention_ab.txt:
 //
-//   git show HEAD~1:torch_engine/csrc/attention.h > /tmp/attention_old.h
+//   git show a3ea3d0:torch_engine/csrc/attention.h > /tmp/attention_old.h   # the header before 303c8f9
 //   g++ -O3 -march=native -ffast-math -fno-finite-math-only -std=c++17 -I. \
 //       -I.venv/lib/python3.11/site-packages/torch/include -DOLD='"/tmp/attention_old.h"' \
 //       -DNEW='"torch_engine/csrc/attention.h"' -o /tmp/attention_ab benchmarks/zen3-2026-12-06-s39/attention_ab.cpp

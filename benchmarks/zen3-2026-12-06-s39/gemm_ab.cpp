@@ -3,7 +3,7 @@
 // two results differ ("!DIFF": more than 1e-4 relative). A noisy VM moved absolute rates by up to 1.5x between runs;
 // alternating in one process keeps the ratio. Session 39 (AVX2-only Zen 3), gemm_ab.txt:
 //
-//   git show HEAD~1:torch_engine/csrc/qgemm.h > /tmp/qgemm_old.h
+//   git show 471103c:torch_engine/csrc/qgemm.h > /tmp/qgemm_old.h   # the header before a3ea3d0
 //   g++ -O3 -march=native -std=c++17 -ffast-math -fno-finite-math-only -I. -DOLD='"/tmp/qgemm_old.h"' \
 //       -DNEW='"torch_engine/csrc/qgemm.h"' -o /tmp/gemm_ab benchmarks/zen3-2026-12-06-s39/gemm_ab.cpp
 //   taskset -c 1 /tmp/gemm_ab

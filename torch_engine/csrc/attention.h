@@ -241,7 +241,7 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
 // compute ran one after the other (SmolLM2's 30 layers at 16 x 290 tokens, fp32 pages, 214 MB: 26-30 ms from DRAM,
 // 14.4 ms in L3), and prefetches in bursts — a chunk or a head at a time, 1-8 chunks ahead — were slower still
 // (0.88-0.98x): a burst fills the miss buffers and the chunk's own loads wait behind it. A line per 8 FMAs of the
-// scores and two per token of the weighted values: 1.29-1.36x faster at 290 tokens, 1.38x at 1,000, 1.10x at 37, 0.97x
+// scores and two per token of the weighted values: 1.32x faster at 290 tokens, 1.38x at 1,000, 1.11x at 37, 0.965x
 // with the K / V in cache (alternated in one process; BENCHMARKS.md).
 struct PfCursor {
   const char* const* rows = nullptr;  // the next chunk's K rows of this head (V at + kv_bytes); n = 0: none

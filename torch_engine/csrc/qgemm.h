@@ -519,7 +519,7 @@ inline __m256i fifth_bits(uint32_t bits, char value = 0x10) {
 
 // Tiles of more than one row take the plain nibbles (Q4_0 / Q4_1 / Q4_K) out once a block for all their rows instead
 // of once a row (the AVX2-only Zen 3 of 2026-12-07, family 25 model 1, one thread, alternated in one process: Q4_1 /
-// Q4_K 1.13-1.18x, Q4_0 1.03-1.07x at 4-64 rows; BENCHMARKS.md). The integer sums and their float order are as before,
+// Q4_K 1.11-1.18x, Q4_0 0.99-1.05x at 4-64 rows; BENCHMARKS.md). The integer sums and their float order are as before,
 // so a row computes the same alone and in a batch. One row keeps the loop that takes them out as it reads.
 template <Kind KD, int R>
 constexpr bool hoisted_nibbles() { return R > 1 && (KD == Q4_0 || KD == Q4_1 || KD == Q4_K); }
