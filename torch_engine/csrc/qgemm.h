@@ -410,7 +410,15 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
           hi = _mm512_dpbusd_epi32(hi, wv[c + 4], _mm512_set1_epi32(xi[c + 4]));
         }
         a = _mm512_add_epi32(_mm512_mullo_epi32(lo, sa), _mm512_mullo_epi32(hi, sb));
-      } else if constexpr (R == 1) {  // two chains: one row has no other work to overlap the latency with
+      } else if constexpr (byte_quants(KD) && R > 1 && R <= 4) {  // (Q8_0 at 2-4 rows: one chain, see below)
+        a = _mm512_set1_epi32(u8_offset<KD>() * s);
+        for (int c = 0; c < 8; ++c) a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
+      } else {
+        // two chains of 4: a chain of 8 `vpdpbusd` (5 cycles each) a row and block held the scheduler with waiting
+        // uops — an Emerald Rapids Xeon (family 6 model 207, two 512-bit ports: 6 G `vpdpbusd` a second) ran 2-64
+        // rows at ~0.4 of its peak; two chains 1.12-1.18x faster there at 4-64 rows (Q4_0 / Q4_1 / Q4_K / Q5_1,
+        // Q8_0 at 8-64), four no faster, Q8_0 at 2-4 rows (its 512-byte blocks read at the memory's pace)
+        // 0.96-0.98x (session 40, alternated in one process; gemm_ab.txt). The integer sum is the same.
         a = _mm512_set1_epi32(u8_offset<KD>() * s);
         __m512i a1 = _mm512_setzero_si512();
         for (int c = 0; c < 8; c += 2) {
@@ -418,9 +426,6 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
           a1 = _mm512_dpbusd_epi32(a1, wv[c + 1], _mm512_set1_epi32(xi[c + 1]));
         }
         a = _mm512_add_epi32(a, a1);
-      } else {
-        a = _mm512_set1_epi32(u8_offset<KD>() * s);
-        for (int c = 0; c < 8; ++c) a = _mm512_dpbusd_epi32(a, wv[c], _mm512_set1_epi32(xi[c]));
       }
       const float dx = x.dx[row * NB + b];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
