@@ -54,6 +54,17 @@ inline bool intel_cores() {
 #endif
 }
 
+// Whether the bf16 pages' scores take vdpbf16ps (the query as bf16 hi + lo parts: AMD) or the K words widened to
+// fp32 and two FMAs (Intel; the query as it is, in fp32). On the Emerald Rapids, alternated in one process with the K /
+// V in cache: the FMAs 1.15-1.17x faster, the chunk's K widened once for its G query heads another 1.10x.
+inline bool scores_by_dpbf16() {
+#if defined(__AVX512BF16__)
+  return !intel_cores();
+#else
+  return false;
+#endif
+}
+
 // bf16 pages without converting them: a 64-byte load holds 32 values as 16 pairs; as fp32 the pair's
 // second value is the word with its low half cleared and the first is the word shifted left by 16. So the
 // head's D values are handled as D / 32 blocks of (16 even-indexed, 16 odd-indexed) values: the query and
@@ -164,25 +175,15 @@ inline void chunk_avx512(const float* qf, const float* const* krow, const float*
   }
 }
 
-// Whether the bf16 pages' scores take vdpbf16ps (the query as bf16 hi + lo parts: AMD) or the K words widened to
-// fp32 and two FMAs (Intel; the query as it is, in fp32). On the Emerald Rapids, alternated in one process with the K /
-// V in cache: the FMAs 1.15-1.17x faster, the chunk's K widened once for its G query heads another 1.10x.
-inline bool scores_by_dpbf16() {
-#if defined(__AVX512BF16__)
-  return !intel_cores();
-#else
-  return false;
-#endif
-}
-
-// qhl (AVX-512 BF16): each query head as bf16 hi and lo parts (q ~= hi + lo to 16 bits), natural order:
-// its scores are vdpbf16ps of the K words with hi and with lo, no conversion of K at all. pts / cs: G * 16
-// and G floats of scratch (the chunk's probabilities and each head's rescale).
+// DPBF16 (scores_by_dpbf16()): qhl holds each query head as bf16 hi and lo parts (q ~= hi + lo to 16 bits), natural
+// order, and its scores are vdpbf16ps of the K words with hi and with lo, no conversion of K at all; else qs (split
+// order) against the K words widened to fp32. pts / cs: G * 16 and G floats of scratch (the chunk's probabilities and
+// each head's rescale).
 template <int64_t DW, bool DPBF16>
 inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16_t* const* krow,
                               const uint16_t* const* vrow, int64_t len, int64_t G, int64_t dyn_dw, float* acc,
                               float* m, float* l, float* pts, float* cs) {
-  static_cast<void>(qhl);  // (without AVX-512 BF16 the scores take qs)
+  static_cast<void>(qhl);  // (the FMA path takes qs)
   const int64_t nw = DW > 0 ? DW : dyn_dw;
   const __mmask16 valid = static_cast<__mmask16>((1u << len) - 1u);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -478,8 +479,8 @@ inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const 
 // touching a thread's whole layer first were each slower, prefetch_chunk() in the same order no faster (the same
 // session). On Intel's cores (an Emerald Rapids Xeon, session 40) a run of loads waits on memory's latency (a page's
 // 12 KB at ~8 GB/s): there each line touched also prefetches (to L2) the same line of the next page, which starts that
-// page's stream early (alternated in one process after a weights-sized stream: 1.08-1.12x at 290 and 1,000 tokens,
-// 0.98x with the K / V in cache); the Zen 4 keeps the loads alone, as measured there.
+// page's stream early (HND pages; alternated in one process after a weights-sized stream: 1.08-1.12x at 290 and 1,000
+// tokens, 0.98x with the K / V in cache); the Zen 4 keeps the loads alone, as measured there.
 template <typename T>
 inline void touch_range(const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t t0, int64_t t1,
                         int64_t D, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride) {
@@ -540,6 +541,7 @@ inline int64_t touch_chunks(int64_t H, int64_t D, int64_t elem) {
 // head size that is a multiple of 32, AVX-512): qsplit [Q * D] = each head in split order, qhl [Q * 2 * D] =
 // each head as bf16 hi and lo parts (q ~= hi + lo to 16 bits; see chunk_bf16_avx512).
 inline void prepare_query(const float* qf, int64_t Q, int64_t D, float* qsplit, uint16_t* qhl) {
+  const bool hi_lo = scores_by_dpbf16();  // (the FMA path reads qsplit only)
   for (int64_t i = 0; i < Q; ++i) {
     int64_t d = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -556,7 +558,7 @@ inline void prepare_query(const float* qf, int64_t Q, int64_t D, float* qsplit, 
       const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
       return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     };
-    for (; d + 16 <= D; d += 16) {
+    for (; hi_lo && d + 16 <= D; d += 16) {
       const __m512 x = _mm512_loadu_ps(qf + i * D + d);
       const __m512i hi = round16(x);
       const __m512i lo = round16(_mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
@@ -566,7 +568,7 @@ inline void prepare_query(const float* qf, int64_t Q, int64_t D, float* qsplit, 
 #else
     split(qf + i * D, qsplit + i * D, D);
 #endif
-    for (; d < D; ++d) {
+    for (; hi_lo && d < D; ++d) {
       const at::BFloat16 hi(qf[i * D + d]);
       const at::BFloat16 lo(qf[i * D + d] - static_cast<float>(hi));
       qhl[i * 2 * D + d] = hi.x;

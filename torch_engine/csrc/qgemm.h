@@ -416,7 +416,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       } else {
         // two chains of 4: a chain of 8 `vpdpbusd` (5 cycles each) a row and block held the scheduler with waiting
         // uops — an Emerald Rapids Xeon (family 6 model 207, two 512-bit ports: 6 G `vpdpbusd` a second) ran 2-64
-        // rows at ~0.4 of its peak; two chains 1.12-1.18x faster there at 8-64 rows and 1.08-1.13x at 4 (Q4_0 /
+        // rows at 0.25-0.45 of its peak; two chains 1.12-1.18x faster there at 8-64 rows and 1.08-1.13x at 4 (Q4_0 /
         // Q4_1 / Q4_K / Q5_1; Q8_0 1.14-1.20x at 8-64), four no faster, Q8_0 at 2-4 rows (its 512-byte blocks read
         // at the memory's pace) 0.96-0.98x (session 40, alternated in one process; gemm_ab.txt). The integer sum is
         // the same.
