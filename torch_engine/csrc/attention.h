@@ -54,6 +54,10 @@ inline bool intel_cores() {
 #endif
 }
 
+// Whether the decode attention prefetches each next chunk spread over the chunk kernel's compute (PfCursor) instead
+// of touch_range()'s windows: AVX2 builds always (attend_range); AVX-512 builds on Intel's cores.
+inline bool spread_prefetch() { return intel_cores(); }
+
 // Whether the bf16 pages' scores take vdpbf16ps (the query as bf16 hi + lo parts: AMD) or the K words widened to
 // fp32 and two FMAs (Intel; the query as it is, in fp32). On the Emerald Rapids, alternated in one process with the K /
 // V in cache: the FMAs 1.15-1.17x faster, the chunk's K widened once for its G query heads another 1.10x.
@@ -93,6 +97,29 @@ template <typename T>
 inline float to_float(T v) {
   return static_cast<float>(v);
 }
+
+// The cache lines of the next chunk's K / V of one KV head, prefetched a few at a time from inside the chunk kernels'
+// loops (chunk_avx2, chunk_avx512, chunk_bf16_avx512), spread over their compute (spread_prefetch()). On the AVX2-only
+// Zen 3 (family 25 model 1) touch_range's window of loads and the chunks' compute ran one after the other (SmolLM2's
+// 30 layers at 16 x 290 tokens, fp32 pages, 214 MB: 26-30 ms from DRAM, 14.4 ms in L3), and prefetches in bursts — a
+// chunk or a head at a time, 1-8 chunks ahead — were slower still (0.88-0.98x): a burst fills the miss buffers and the
+// chunk's own loads wait behind it. A line per 8 FMAs of the scores and two per token of the weighted values: 1.32x
+// faster at 290 tokens, 1.38x at 1,000, 1.11x at 37, 0.965x with the K / V in cache (alternated in one process;
+// BENCHMARKS.md). On the Emerald Rapids Xeon (family 6 model 207, session 41) the AVX-512 kernels' touch windows had
+// the same flaw (its AVX2 build's fp32 attention ran 1.5x faster than its AVX-512 build's): spread there, with the
+// three-loop fp32 kernel, 1.13-1.16x at 8-16 x 290 tokens from DRAM (fp32 pages), the bf16 split path 1.08-1.12x.
+struct PfCursor {
+  const char* const* rows = nullptr;  // the next chunk's K rows of this head (V at + kv_bytes); n = 0: none
+  int64_t n = 0, kv_bytes = 0, lines = 0;  // tokens, V's offset in bytes, cache lines a row
+  int64_t i = 0;                           // the next line: token i / (2 lines), K or V, line
+  void step(int64_t k) {
+    for (const int64_t end = n * 2 * lines; k > 0 && i < end; --k, ++i) {
+      const int64_t r = i % (2 * lines);
+      __builtin_prefetch(rows[i / (2 * lines)] + (r >= lines ? kv_bytes : 0) + (r % lines) * 64, 0, 3);
+    }
+  }
+  void finish() { step(n * 2 * lines); }
+};
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -136,14 +163,16 @@ inline __m512 hsum16(const __m512 a[16]) {
 }
 
 // One chunk of len <= 16 tokens (K / V rows as fp32 pointers; rows past len point at zeros) for the G
-// query heads. Written so that every dependency chain is short: 16 independent dot products (one
-// accumulator register per token), and two sets of value accumulators (even and odd tokens).
+// query heads, in three loops as chunk_bf16_avx512(): every head's scores (16 independent dot products, one
+// accumulator register per token), then every head's online-softmax update (its chain of reductions and
+// exponentials overlaps across heads), then the weighted values, each V vector loaded once for a block of GB
+// heads whose accumulators stay in registers. pts / cs: G * 16 and G floats of scratch.
 template <int64_t DV>
 inline void chunk_avx512(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
-                         int64_t dyn_dv, float* acc, float* m, float* l) {
+                         int64_t dyn_dv, float* acc, float* m, float* l, float* pts, float* cs, PfCursor& pf) {
   const int64_t nv = DV > 0 ? DV : dyn_dv;
   const __mmask16 valid = static_cast<__mmask16>((1u << len) - 1u);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < G; ++g) {  // scores
     const float* qg = qf + g * nv * 16;
     __m512 a[16];
     {
@@ -153,24 +182,46 @@ inline void chunk_avx512(const float* qf, const float* const* krow, const float*
     for (int64_t v = 1; v < nv; ++v) {
       const __m512 qv = _mm512_loadu_ps(qg + v * 16);
       for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[t] + v * 16), a[t]);
+      pf.step(2);
     }
-    const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), hsum16(a));
+    _mm512_storeu_ps(pts + g * 16, hsum16(a));
+  }
+  for (int64_t g = 0; g < G; ++g) {  // the online softmax's update
+    const __m512 s =
+        _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _mm512_loadu_ps(pts + g * 16));
     const float mp = std::max(m[g], _mm512_reduce_max_ps(s));
-    const float c = exp1(m[g] - mp);
+    cs[g] = exp1(m[g] - mp);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mp))));
-    l[g] = l[g] * c + _mm512_reduce_add_ps(p);
+    l[g] = l[g] * cs[g] + _mm512_reduce_add_ps(p);
     m[g] = mp;
-    alignas(64) float pt[16];
-    _mm512_store_ps(pt, p);
-    float* ag = acc + g * nv * 16;
-    const __m512 cv = _mm512_set1_ps(c);
-    for (int64_t v = 0; v < nv; ++v) {
-      __m512 even = _mm512_mul_ps(_mm512_loadu_ps(ag + v * 16), cv), odd = _mm512_setzero_ps();
-      for (int t = 0; t < 16; t += 2) {
-        even = _mm512_fmadd_ps(_mm512_set1_ps(pt[t]), _mm512_loadu_ps(vrow[t] + v * 16), even);
-        odd = _mm512_fmadd_ps(_mm512_set1_ps(pt[t + 1]), _mm512_loadu_ps(vrow[t + 1] + v * 16), odd);
+    _mm512_storeu_ps(pts + g * 16, p);
+  }
+  // the weighted values: GB heads x NW vectors of accumulators (8-16 chains of FMAs)
+  constexpr int64_t NW = DV == 0 ? 1 : std::min<int64_t>(DV, 8);
+  constexpr int64_t GB = DV == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(4, 12 / NW));
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min<int64_t>(GB, G - g0);
+    for (int64_t v0 = 0; v0 < nv; v0 += NW) {  // DV == 0 (a head size without its own build): a vector at a time
+      __m512 av[GB][NW];
+      for (int64_t gi = 0; gi < GB; ++gi)
+        if (gi < gn) {
+          const __m512 cv = _mm512_set1_ps(cs[g0 + gi]);
+          for (int64_t w = 0; w < NW; ++w)
+            av[gi][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + gi) * nv * 16 + (v0 + w) * 16), cv);
+        }
+      for (int64_t t = 0; t < len; ++t) {
+        __m512 vv[NW];
+        for (int64_t w = 0; w < NW; ++w) vv[w] = _mm512_loadu_ps(vrow[t] + (v0 + w) * 16);
+        for (int64_t gi = 0; gi < GB; ++gi)
+          if (gi < gn) {
+            const __m512 pv = _mm512_set1_ps(pts[(g0 + gi) * 16 + t]);
+            for (int64_t w = 0; w < NW; ++w) av[gi][w] = _mm512_fmadd_ps(pv, vv[w], av[gi][w]);
+          }
+        pf.step((gn * NW + 3) / 4);
       }
-      _mm512_storeu_ps(ag + v * 16, _mm512_add_ps(even, odd));
+      for (int64_t gi = 0; gi < GB; ++gi)
+        if (gi < gn)
+          for (int64_t w = 0; w < NW; ++w) _mm512_storeu_ps(acc + (g0 + gi) * nv * 16 + (v0 + w) * 16, av[gi][w]);
     }
   }
 }
@@ -182,7 +233,7 @@ inline void chunk_avx512(const float* qf, const float* const* krow, const float*
 template <int64_t DW, bool DPBF16>
 inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16_t* const* krow,
                               const uint16_t* const* vrow, int64_t len, int64_t G, int64_t dyn_dw, float* acc,
-                              float* m, float* l, float* pts, float* cs) {
+                              float* m, float* l, float* pts, float* cs, PfCursor& pf) {
   static_cast<void>(qhl);  // (the FMA path takes qs)
   const int64_t nw = DW > 0 ? DW : dyn_dw;
   const __mmask16 valid = static_cast<__mmask16>((1u << len) - 1u);
@@ -212,6 +263,7 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
           const __m512bh kw = (__m512bh)_mm512_loadu_si512(krow[t] + w * 32);
           a[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[t], kw, qh), kw, ql);
         }
+        pf.step(4);
       }
     } else
 #endif
@@ -228,6 +280,7 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
             a[t] = _mm512_fmadd_ps(qo, odd(kw), _mm512_fmadd_ps(qe, even(kw), a[t]));
           }
         }
+        pf.step(4);
       }
     }
     _mm512_storeu_ps(pts + g * 16, hsum16(a));
@@ -277,6 +330,7 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
               ao[gi][w] = _mm512_fmadd_ps(pv, vo[w], ao[gi][w]);
             }
           }
+        pf.step((gn * NW + 1) / 2);
       }
       for (int64_t gi = 0; gi < GB; ++gi)
         for (int64_t w = 0; w < NW; ++w)
@@ -289,26 +343,6 @@ inline void chunk_bf16_avx512(const float* qs, const uint16_t* qhl, const uint16
   }
 }
 #endif
-
-// The cache lines of the next chunk's K / V of one KV head, prefetched a few at a time from inside chunk_avx2's loops,
-// spread over its compute. On the AVX2-only Zen 3 (family 25 model 1) touch_range's window of loads and the chunks'
-// compute ran one after the other (SmolLM2's 30 layers at 16 x 290 tokens, fp32 pages, 214 MB: 26-30 ms from DRAM,
-// 14.4 ms in L3), and prefetches in bursts — a chunk or a head at a time, 1-8 chunks ahead — were slower still
-// (0.88-0.98x): a burst fills the miss buffers and the chunk's own loads wait behind it. A line per 8 FMAs of the
-// scores and two per token of the weighted values: 1.32x faster at 290 tokens, 1.38x at 1,000, 1.11x at 37, 0.965x
-// with the K / V in cache (alternated in one process; BENCHMARKS.md).
-struct PfCursor {
-  const char* const* rows = nullptr;  // the next chunk's K rows of this head (V at + kv_bytes); n = 0: none
-  int64_t n = 0, kv_bytes = 0, lines = 0;  // tokens, V's offset in bytes, cache lines a row
-  int64_t i = 0;                           // the next line: token i / (2 lines), K or V, line
-  void step(int64_t k) {
-    for (const int64_t end = n * 2 * lines; k > 0 && i < end; --k, ++i) {
-      const int64_t r = i % (2 * lines);
-      __builtin_prefetch(rows[i / (2 * lines)] + (r >= lines ? kv_bytes : 0) + (r % lines) * 64, 0, 3);
-    }
-  }
-  void finish() { step(n * 2 * lines); }
-};
 
 #if defined(DISAGG_ATTN_AVX2)
 // exp(x) as exp512() in 8 lanes; 2^n built in the exponent bits (n in [-126, 127] after the clamp).
@@ -336,14 +370,14 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
 }
 
-// chunk_avx512() in 8 lanes (head size a multiple of 8): the chunk's scores 8 tokens at a time (8
-// accumulators reduced by hsum8), exp vectorised, value accumulators in registers (even and odd tokens).
+// chunk_avx512() in 8 lanes (head size a multiple of 8): every head's scores 8 tokens at a time (8 accumulators
+// reduced by hsum8), then every head's online-softmax update (vectorised; its chains overlap across heads), then
+// each head's weighted values (accumulators in registers). pts / cs: G * 16 and G floats of scratch.
 template <int64_t DV>
 inline void chunk_avx2(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
-                       int64_t dyn_dv, float* acc, float* m, float* l, PfCursor& pf) {
+                       int64_t dyn_dv, float* acc, float* m, float* l, float* pts, float* cs, PfCursor& pf) {
   const int64_t nv = DV > 0 ? DV : dyn_dv;
-  alignas(32) float sc[CHUNK];
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < G; ++g) {  // scores
     const float* qg = qf + g * nv * 8;
     for (int half = 0; half < 2; ++half) {
       const float* const* kr = krow + half * 8;
@@ -355,30 +389,45 @@ inline void chunk_avx2(const float* qf, const float* const* krow, const float* c
         for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + v * 8), a[t]);
         pf.step(1);
       }
-      _mm256_store_ps(sc + half * 8, hsum8(a));
+      _mm256_storeu_ps(pts + g * 16 + half * 8, hsum8(a));
     }
-    float mp = m[g];
-    for (int64_t t = 0; t < len; ++t) mp = std::max(mp, sc[t]);
-    const float c = std::exp(m[g] - mp);
-    for (int half = 0; half < 2; ++half) {
-      const __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(sc + half * 8), _mm256_set1_ps(mp)));
-      _mm256_store_ps(sc + half * 8, p);
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < CHUNK; ++t) {
-      if (t >= len) sc[t] = 0.0f;  // rows past the chunk's end
-      sum += sc[t];
-    }
-    l[g] = l[g] * c + sum;
-    m[g] = mp;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 in0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(len)), lane));
+  const __m256 in1 =
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(len) - 8), lane));
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {  // the online softmax's update
+    const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(pts + g * 16), in0);
+    const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(pts + g * 16 + 8), in1);
+    __m256 mx = _mm256_max_ps(s0, s1);
+    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
+    const __m256 mp = _mm256_max_ps(mx, _mm256_set1_ps(m[g]));  // every lane
+    const __m256 p0 = _mm256_and_ps(in0, exp256(_mm256_sub_ps(s0, mp)));
+    const __m256 p1 = _mm256_and_ps(in1, exp256(_mm256_sub_ps(s1, mp)));
+    __m256 sum = _mm256_add_ps(p0, p1);
+    sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 0x01));
+    sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0x4E));
+    sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0xB1));
+    const float mpf = _mm256_cvtss_f32(mp);
+    cs[g] = _mm256_cvtss_f32(exp256(_mm256_set1_ps(m[g] - mpf)));
+    l[g] = l[g] * cs[g] + _mm256_cvtss_f32(sum);
+    m[g] = mpf;
+    _mm256_storeu_ps(pts + g * 16, p0);
+    _mm256_storeu_ps(pts + g * 16 + 8, p1);
+  }
+  constexpr int64_t NW = DV > 0 && DV <= 8 ? DV : 1;  // value accumulators kept in registers: 8 of 16
+  for (int64_t g = 0; g < G; ++g) {  // the weighted values
     float* ag = acc + g * nv * 8;
-    const __m256 cv = _mm256_set1_ps(c);
-    constexpr int64_t NW = DV > 0 && DV <= 8 ? DV : 1;  // value accumulators kept in registers: 8 of 16
+    const float* pg = pts + g * 16;
+    const __m256 cv = _mm256_set1_ps(cs[g]);
     for (int64_t v0 = 0; v0 < nv; v0 += NW) {
       __m256 av[NW];
       for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_mul_ps(_mm256_loadu_ps(ag + (v0 + w) * 8), cv);
       for (int64_t t = 0; t < len; ++t) {
-        const __m256 p = _mm256_set1_ps(sc[t]);
+        const __m256 p = _mm256_set1_ps(pg[t]);
         for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[t] + (v0 + w) * 8), av[w]);
         pf.step(2);
       }
@@ -478,14 +527,12 @@ inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const 
 // one thread). Prefetching the next layer's K / V during this layer's GEMMs, prefetches instead of loads here, and
 // touching a thread's whole layer first were each slower, prefetch_chunk() in the same order no faster (the same
 // session). On Intel's cores (an Emerald Rapids Xeon, session 40) a run of loads waits on memory's latency (a page's
-// 12 KB at ~8 GB/s): there each line touched also prefetches (to L2) the same line of the next page, which starts that
-// page's stream early (HND pages; alternated in one process after a weights-sized stream: 1.08-1.12x at 290 and 1,000
-// tokens, 0.98x with the K / V in cache); the Zen 4 keeps the loads alone, as measured there.
+// 12 KB at ~8 GB/s): there a range's first chunk only is touched and the rest is prefetched spread over the compute
+// (PfCursor; session 41, which replaced session 40's next-page prefetch from inside these loads).
 template <typename T>
 inline void touch_range(const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t t0, int64_t t1,
                         int64_t D, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride) {
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
-  const bool ahead = intel_cores();
 #if defined(__AVX512F__)
   __m512i sink = _mm512_setzero_si512();
   auto touch = [&](const T* p) { sink = _mm512_or_si512(sink, _mm512_loadu_si512(p)); };
@@ -501,16 +548,10 @@ inline void touch_range(const T* pool, int64_t H, int64_t head_stride, const int
     for (int64_t t = t0; t < t1;) {
       const int64_t off = t % P, n = std::min(P - off, t1 - t);
       const T* pb = pool + row[t / P] * page_stride + off * token_stride;
-      // Intel: the same line of the next page prefetched to L2 beside each line touched
-      const T* pn = ahead && t + n < t1 ? pool + row[t / P + 1] * page_stride : nullptr;
       for (int64_t h = 0; h < H; ++h)
         for (int64_t kv = 0; kv < 2; ++kv) {
           const T* run = pb + h * head_stride + kv * kv_stride;
-          const T* nrun = pn != nullptr ? pn + h * head_stride + kv * kv_stride : nullptr;
-          for (int64_t i = 0; i < n * D; i += LINE) {
-            if (nrun != nullptr) __builtin_prefetch(nrun + i, 0, 2);  // prefetcht1
-            touch(run + i);
-          }
+          for (int64_t i = 0; i < n * D; i += LINE) touch(run + i);
         }
       t += n;
     }
@@ -600,18 +641,28 @@ void attend_split(const float* qsplit, const uint16_t* qhl, const at::BFloat16* 
   const int64_t D = KD > 0 ? KD : dyn_d;
   float* zeros = scratch;  // D floats: the rows past a short chunk's end
   float* pts = scratch + D;
-  float* rescale = pts + G * CHUNK;
+  [[maybe_unused]] float* rescale = pts + G * CHUNK;
   std::fill(zeros, zeros + D, 0.0f);
   const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
   const at::BFloat16* base[CHUNK];
+  const at::BFloat16* next[CHUNK];  // the next chunk's K of head 0 (spread)
+  const char* lines[CHUNK];
+  const bool spread = spread_prefetch();
   const int64_t window = touch_chunks(H, D, static_cast<int64_t>(sizeof(at::BFloat16))) * CHUNK;
   const bool dpbf16 = scores_by_dpbf16();
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
-    if ((cs - t0) % window == 0)
-      touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
+    if (spread ? cs == t0 : (cs - t0) % window == 0)
+      touch_range(pool, H, head_stride, row, cs, std::min(spread ? cs + CHUNK : cs + window, t1), D, P, page_stride,
+                  kv_stride, token_stride);
     const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
-    prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, ahead, D, P, page_stride, kv_stride, token_stride);
+    int64_t next_len = 0;
+    if (!spread)
+      prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, ahead, D, P, page_stride, kv_stride, token_stride);
+    else if (cs + CHUNK < ahead)
+      next_len = chunk_rows(pool, row, cs + CHUNK, ahead, P, page_stride, token_stride, next);
     for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
+      PfCursor pf{lines, next_len, kv_stride * 2, (D * 2 + 63) / 64, 0};
       const uint16_t* kb[CHUNK];
       const uint16_t* vb[CHUNK];
       for (int64_t t = 0; t < CHUNK; ++t) {
@@ -621,10 +672,11 @@ void attend_split(const float* qsplit, const uint16_t* qhl, const at::BFloat16* 
       }
       if (dpbf16)
         chunk_bf16_avx512<KD / 32, true>(qsplit + h * G * D, qhl + h * G * 2 * D, kb, vb, len, G, D / 32,
-                                         asplit + h * G * D, m + h * G, l + h * G, pts, rescale);
+                                         asplit + h * G * D, m + h * G, l + h * G, pts, rescale, pf);
       else
         chunk_bf16_avx512<KD / 32, false>(qsplit + h * G * D, qhl + h * G * 2 * D, kb, vb, len, G, D / 32,
-                                          asplit + h * G * D, m + h * G, l + h * G, pts, rescale);
+                                          asplit + h * G * D, m + h * G, l + h * G, pts, rescale, pf);
+      pf.finish();
     }
   }
 }
@@ -660,18 +712,20 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
   float* vbuf = scratch + CHUNK * D;
   float* zeros = scratch + 2 * CHUNK * D;  // D floats: the rows past a short chunk's end
   float* sc = scratch + 3 * CHUNK * D;
+  float* pts = sc + 2 * CHUNK;  // G * CHUNK + G floats: the chunk kernels' probabilities and rescales
+  [[maybe_unused]] float* rescale = pts + G * CHUNK;
   std::fill(zeros, zeros + D, 0.0f);
   const T* base[CHUNK];  // each token's K of head 0
   const float* krow[CHUNK];
   const float* vrow[CHUNK];
+  // spread: the first chunk touched; each next one prefetched a few lines at a time from inside the chunk kernel
+  // (PfCursor); the plain kernel takes the cursor's lines after each head
 #if defined(DISAGG_ATTN_AVX2)
-  // the first chunk touched; each next one prefetched a few lines at a time from inside the chunk kernel (PfCursor)
-  constexpr bool spread = true;
-  const int64_t window = CHUNK;
+  const bool spread = true;
 #else
-  constexpr bool spread = false;
-  const int64_t window = touch_chunks(H, D, static_cast<int64_t>(sizeof(T))) * CHUNK;
+  const bool spread = spread_prefetch();
 #endif
+  const int64_t window = spread ? CHUNK : touch_chunks(H, D, static_cast<int64_t>(sizeof(T))) * CHUNK;
   const T* next[CHUNK];  // the next chunk's K of head 0 (spread)
   const char* lines[CHUNK];
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
@@ -679,11 +733,10 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
       touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
     const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
     int64_t next_len = 0;
-    if constexpr (spread) {
-      if (cs + CHUNK < t1) next_len = chunk_rows(pool, row, cs + CHUNK, t1, P, page_stride, token_stride, next);
-    } else {
+    if (!spread)
       prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
-    }
+    else if (cs + CHUNK < t1)
+      next_len = chunk_rows(pool, row, cs + CHUNK, t1, P, page_stride, token_stride, next);
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
       PfCursor pf{lines, next_len, kv_stride * static_cast<int64_t>(sizeof(T)),
@@ -705,12 +758,13 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
       float *ah = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
 #if defined(__AVX512F__)
       if (D % 16 == 0) {
-        chunk_avx512<KD / 16>(qh, krow, vrow, len, G, D / 16, ah, mh, lh);
+        chunk_avx512<KD / 16>(qh, krow, vrow, len, G, D / 16, ah, mh, lh, pts, rescale, pf);
+        pf.finish();
         continue;
       }
 #elif defined(DISAGG_ATTN_AVX2)
       if (D % 8 == 0) {
-        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh, pf);
+        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh, pts, rescale, pf);
         pf.finish();
         continue;
       }
