@@ -118,6 +118,7 @@ def candidates(a: argparse.Namespace) -> list[tuple[str, Deployment]]:
                         dep = Deployment(
                             Mode.DISAGGREGATED, Role(cd, d, a.chunk, b), Role(cp, p, a.chunk, max(a.max_seqs)),
                             placement, a.overhead_s, handover, a.exposed_share, a.request_overhead_s,
+                            a.tpot_slo if placement is PrefillPlacement.AUTO else None,
                         )  # fmt: skip
                         tag = "" if placement is PrefillPlacement.REMOTE else ", conditional"
                         out.append((f"disaggregated {p}P x tp{tp_p} : {d}D x tp{tp_d}{tag}{_batch(a, b)}", dep))

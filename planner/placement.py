@@ -15,6 +15,14 @@ simulator (``planner/simulator.py``), from the same cost curves (``CostModel``):
 Local wins when ``local_s + running * stall_s <= remote_s``: the prompt's own TTFT plus what it
 costs every running stream must not exceed its TTFT the other way. An idle decode engine takes
 short prompts itself; a busy one sends them away; a busy prefill pool keeps more at home.
+
+That sum trades the streams' seconds against the prompt's and knows no SLO: a stall of one step
+per stream is cheap in it, yet each such step is an inter-token interval the split exists to
+remove. With an ITL budget (``itl_budget_s``, the deployment's ITL / TPOT SLO) a prompt is
+prefilled here while streams are decoding only if its longest chunk step stays within the budget
+(on the Emerald Rapids Xeon, session 41, ``make bench``'s prefill-heavy run without it: the decode
+node prefilled 14-35 of 50 prompts itself in ~270 ms steps, and its stalled intervals exceeded the
+colocated replicas' at two of five rates). An idle engine still takes what the cost rule gives it.
 """
 
 from __future__ import annotations
@@ -60,7 +68,12 @@ def _chunked_s(costs: CostModel, running: int, context: float, tokens: int, chun
 
 
 def decide(
-    x: PlacementInputs, local: CostModel, remote: CostModel, overhead_s: float, mode: PrefillPlacement
+    x: PlacementInputs,
+    local: CostModel,
+    remote: CostModel,
+    overhead_s: float,
+    mode: PrefillPlacement,
+    itl_budget_s: float | None = None,
 ) -> Decision:
     chunk = max(x.chunk, 1)
     ahead_s = _chunked_s(local, x.running, x.context, x.local_queue_tokens, chunk)[0] if x.local_queue_tokens else 0.0
@@ -77,6 +90,8 @@ def decide(
     )
     if mode is PrefillPlacement.AUTO:
         is_local = local_s + x.running * stall_s <= remote_s
+        if is_local and x.running and itl_budget_s is not None:  # its longest step, with the streams in it
+            is_local = local.step_s(x.running, x.context, min(x.prompt_tokens, chunk)) <= itl_budget_s
     else:
         is_local = mode is PrefillPlacement.LOCAL
     return Decision(is_local, local_s, remote_s, stall_s)
@@ -96,6 +111,12 @@ class PlacementSpec(BaseModel):
     prefill_profile: Path | None = Field(default=None, description="the prefill groups' profile; None: the same")
     overhead_s: float = Field(
         default=0.02, ge=0, description="fixed cost of a remote prefill's round trip (the call, the notification)"
+    )
+    itl_budget_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="auto: while streams decode here, a prompt is prefilled here only if each of its chunk steps "
+        "stays within this many seconds (the deployment's ITL / TPOT SLO); None: the cost rule alone",
     )
     local_max_tokens: int = Field(
         default=0,

@@ -66,6 +66,7 @@ class Deployment:
     handover: Handover = Handover.DECODE_STEP
     exposed_share: float = 1.0  # share of the KV transfer after the prefill ends (layer streaming: the last post's)
     request_overhead_s: float = 0.0  # client -> engine (tokenising, RPCs, the server's queues), before any step
+    itl_budget_s: float | None = None  # auto placement: the longest chunk step a local prefill may add (PlacementSpec)
 
     @property
     def devices(self) -> int:
@@ -258,7 +259,7 @@ class Simulator:
         ctx = d.context_sum / d.decoding if d.decoding else 0.0
         queue = min(e.outstanding for e in self._prefill)
         x = PlacementInputs(r.prompt, d.decoding, ctx, d.outstanding, queue, dep.decode.chunk)
-        return decide(x, dep.decode.costs, dep.prefill.costs, dep.overhead_s, dep.placement).local
+        return decide(x, dep.decode.costs, dep.prefill.costs, dep.overhead_s, dep.placement, dep.itl_budget_s).local
 
     def _start(self, e: _Engine, now: float) -> None:
         if e.busy:

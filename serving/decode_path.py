@@ -152,14 +152,14 @@ class KVFetcher:
         else:
             queue = min(self.router.load(g) for g in groups)
             x = PlacementInputs(prompt_tokens, load.decoding, load.mean_context, load.prefill_tokens, queue, load.chunk)
-            est = decide(x, *self._costs, self.placement.overhead_s, mode)
+            est = decide(x, *self._costs, self.placement.overhead_s, mode, self.placement.itl_budget_s)
             local = est.local
         if local:
             self.local_prefills += 1
         if self.tracer is not None and est is not None:
             self.tracer.mark(
                 request_id, "placed", where="local" if local else "remote", local_s=round(est.local_s, 4),
-                remote_s=round(est.remote_s, 4), stall_s=round(est.stall_s, 4),
+                remote_s=round(est.remote_s, 4), stall_s=round(est.stall_s, 4), decoding=load.decoding,
             )  # fmt: skip
         return local
 

@@ -11,6 +11,7 @@ from planner.profile import HardwareProfile
 from serving.trace import Tracer, read_trace
 from tests.helpers import linear_profile, prompt_of, tiny_engine
 from tests.split_harness import GREEDY, ScriptedCaller, cluster, wait_for
+from torch_engine.sampling import SamplingParams
 
 Outcome = tuple[list[list[int]], tuple[int, int]]  # tokens per request, (local, remote) prefills
 
@@ -59,6 +60,50 @@ def test_auto_placement_follows_the_cost_curves(tiny_engine_dir, tmp_path: Path)
     spec = PlacementSpec(mode=PrefillPlacement.AUTO, profile=same, prefill_profile=tmp_path / "fast.json", overhead_s=0)
     out, counts = _run(tiny_engine_dir, spec)
     assert out == plain and counts == (0, 4)  # remote is cheaper even for an idle decode engine
+
+
+def _beside_a_stream(
+    tiny_engine_dir, spec: PlacementSpec, trace: Path, short: dict[str, list[int]]
+) -> tuple[list[list[int]], dict[str, tuple[str, int]]]:
+    """A long stream decoding, the short prompts sent one after another beside it (no queue here): their tokens,
+    and each request's (where it was placed, how many streams were decoding then) from the trace."""
+    tracer = Tracer(trace, "decode0")
+    c = cluster(tiny_engine_dir, placement=spec, tracer=tracer)
+    try:
+        c.submit("long", prompt_of(3, 39), SamplingParams(max_tokens=300, ignore_eos=True))
+        wait_for(lambda: c.decode.load().decoding == 1, what="the long stream decoding")
+        outs = {rid: c.run({rid: p})[rid] for rid, p in short.items()}
+        wait_for(lambda: "long" in c.done, what="the long stream")
+        assert c.done["long"].error is None and all(o.error is None for o in outs.values())
+        wait_for(c.settled, what="every page back")
+        for rid in [*short, "long"]:
+            tracer.finish(rid)
+    finally:
+        c.stop()
+    placed = {
+        str(r["request_id"]): (str(r["where"]), int(str(r["decoding"]))) for r in read_trace(trace) if "where" in r
+    }
+    return [outs[r].output_ids for r in short], placed
+
+
+def test_an_itl_budget_keeps_prompts_here_only_while_nothing_decodes(tiny_engine_dir, tmp_path: Path) -> None:
+    """One stream decodes; prompts of 3-4 tokens arrive beside it, one after another. Both roles on the same curves
+    (0.01 s a prompt token): for them the cost rule says here (its one stall of ~0.03 s is cheaper than the round
+    trip). Under an ITL budget below their step they go to a prefill group; the long stream's own prompt, to an idle
+    engine, stays here either way."""
+    same = tmp_path / "same.json"
+    linear_profile(per_token=0.01).dump(same)
+    short = {f"s{i}": prompt_of(3 + i % 2, 40 + i) for i in range(3)}
+    plain = tiny_engine(tiny_engine_dir("llama")).generate(list(short.values()), GREEDY)
+    placed = {}
+    for budget in (None, 0.02):  # 20 ms: under a step with a 3-token prompt in it (0.032 s on these curves)
+        spec = PlacementSpec(mode=PrefillPlacement.AUTO, profile=same, itl_budget_s=budget)
+        out, placed[budget] = _beside_a_stream(tiny_engine_dir, spec, tmp_path / f"trace-{budget}.jsonl", short)
+        assert out == plain
+    assert placed[None]["long"] == placed[0.02]["long"] == ("local", 0)  # idle: kept here under the budget too
+    busy = {b: [w for rid, (w, n) in p.items() if rid in short and n > 0] for b, p in placed.items()}
+    assert len(busy[None]) == len(busy[0.02]) == 3  # each short prompt met the long stream decoding
+    assert busy[None] == ["local"] * 3 and busy[0.02] == ["remote"] * 3
 
 
 def test_engine_load_reports_what_the_placement_rule_reads(tiny_engine_dir) -> None:

@@ -67,6 +67,40 @@ def test_the_placement_rule_keeps_short_prompts_of_an_idle_engine_and_sends_the_
         assert decide(PlacementInputs(512, 8, 256.0, 0, 0, 128), c, c, 0.02, mode).local is local
 
 
+def test_an_itl_budget_keeps_prompts_local_only_in_steps_within_it() -> None:
+    c = CostModel(linear_profile())
+    x = PlacementInputs(100, 4, 256.0, 0, 20_000, 128)  # the prefill pool far behind: the cost rule says local
+    assert decide(x, c, c, 0.02, PrefillPlacement.AUTO).local
+    step = c.step_s(4, 256.0, 100)  # its one chunk step with the four streams in it
+    assert not decide(x, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=0.99 * step).local
+    assert decide(x, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=1.01 * step).local
+    long = PlacementInputs(1000, 4, 256.0, 0, 200_000, 128)  # chunked: its longest step is a full chunk's
+    assert decide(long, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=1.01 * c.step_s(4, 256.0, 128)).local
+    assert not decide(long, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=0.99 * c.step_s(4, 256.0, 128)).local
+    idle = PlacementInputs(32, 0, 0.0, 0, 0, 128)  # nobody decoding: nobody stalls, the budget does not apply
+    assert decide(idle, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=1e-6).local
+    forced = PlacementInputs(512, 8, 256.0, 0, 0, 128)
+    assert decide(forced, c, c, 0.02, PrefillPlacement.LOCAL, itl_budget_s=1e-6).local  # only auto reads it
+    with pytest.raises(ValueError, match="greater than 0"):
+        PlacementSpec(itl_budget_s=0)
+
+
+def test_the_simulated_decode_node_takes_no_stalling_prompt_under_a_budget() -> None:
+    c = CostModel(linear_profile())
+    wl = Workload.sampled("w", Lengths.parse("64-256"), Lengths.parse("40-80"), 120)
+    arrivals = wl.arrivals(6.0)
+    runs = {}
+    for budget in (None, 0.02):
+        dep = Deployment(
+            Mode.DISAGGREGATED, Role(c, 1, 128), Role(c, 1, 128), PrefillPlacement.AUTO, itl_budget_s=budget
+        )
+        runs[budget] = Simulator(dep).run(wl.requests, arrivals, 6.0, 200.0)
+    free, bounded = runs[None], runs[0.02]
+    assert 0 < bounded.local_share < free.local_share  # idle moments still keep prompts at home
+    worst = [r.pct("tpot", 100) for r in (free, bounded)]
+    assert worst[0] is not None and worst[1] is not None and worst[1] < worst[0]
+
+
 def test_one_request_alone_follows_the_hand_computed_timeline() -> None:
     c = CostModel(linear_profile())
     prompt, out = 100, 5

@@ -3,7 +3,10 @@
 1. Calibrate on this machine (``calibrate``).
 2. Launch both deployments side by side (``deploy``).
 3. Per workload: idle measurements (one request at a time) give the SLOs: TTFT <= 3 x idle TTFT
-   (the idle prefill), TPOT <= 1.5 x idle decode step. They double as the warm-up.
+   (the idle prefill), TPOT <= 1.5 x idle decode step. They double as the warm-up. The disaggregated
+   decode node's placement ``auto`` gets the same 1.5 x the calibrated step as its ITL budget (set at
+   launch, before any workload's idle step is measured): with streams decoding it prefills a prompt
+   itself only in steps within that (``planner/placement.py``).
 4. A request-rate sweep (``replay``: seeded Poisson arrivals, the same requests and schedule for
    both modes; the mode that goes first alternates per rate), each point bounded in time.
 5. Per point the figures of ``metrics``; goodput = the highest rate with >= 90 % of requests
@@ -143,11 +146,15 @@ class Target:
     interval: Interval | None = None  # 95 % bootstrap interval of the ratio
 
 
+TPOT_SLO_STEPS = 1.5  # the TPOT SLO in idle decode steps; the placement's ITL budget in calibrated ones
+
+
 @dataclass(slots=True)
 class ServeReport:
     command: str
     machine: dict[str, object]
     calibration: Calibration
+    itl_budget_s: float | None = None  # the disaggregated placement's (auto), as launched; None: none
     workloads: dict[str, WorkloadReport] = field(default_factory=dict)
     points: list[PointSummary] = field(default_factory=list)
     targets: dict[str, Target] = field(default_factory=dict)
@@ -172,11 +179,12 @@ def run(a: argparse.Namespace) -> int:
         flush=True,
     )
     machine: dict[str, object] = {**cpu_info().as_dict(), "cores": os.cpu_count()}
-    report = ServeReport(opts.command, machine, cal)
+    auto = opts.placement is PrefillPlacement.AUTO
+    report = ServeReport(opts.command, machine, cal, TPOT_SLO_STEPS * cal.decode_step_s if auto else None)
     profile = opts.out / "profile.json"
     assert cal.profile is not None
     cal.profile.dump(profile)
-    placement = PlacementSpec(mode=opts.placement, profile=profile if opts.placement is PrefillPlacement.AUTO else None)
+    placement = PlacementSpec(mode=opts.placement, profile=profile if auto else None, itl_budget_s=report.itl_budget_s)
     launches = {
         m: Launch(
             deployment(
@@ -224,7 +232,7 @@ def _workload(
     to = {m: load_targets(launches[m], opts.frontend) for m in MODES}
     idle = {m: measure_idle(to[m], reqs[: opts.idle_requests], f"idle-{wl.value}-{m}") for m in MODES}
     ttft_idle, step_idle = idle["colocated"]["ttft"], idle["colocated"]["itl"]
-    slo = (3 * ttft_idle, 1.5 * step_idle)
+    slo = (3 * ttft_idle, TPOT_SLO_STEPS * step_idle)
     mean_out = statistics.mean(r.max_tokens for r in reqs)
     sat = 2 / (ttft_idle + 0.25 * mean_out * step_idle)  # two replicas; decode amortised over ~4 streams
     rates = opts.rates or [round(m * sat, 3) for m in opts.rate_multiples]

@@ -40,7 +40,11 @@ def _bench_args(command: str) -> argparse.Namespace:
 
 
 def deployments(
-    costs: CostModel, args: argparse.Namespace, layers: int, request_overhead_s: float = 0.0
+    costs: CostModel,
+    args: argparse.Namespace,
+    layers: int,
+    request_overhead_s: float = 0.0,
+    itl_budget_s: float | None = None,
 ) -> dict[str, Deployment]:
     chunk = args.chunk
     placement = PrefillPlacement(getattr(args, "placement", PrefillPlacement.AUTO.value))
@@ -56,6 +60,7 @@ def deployments(
             placement,
             exposed_share=exposed,
             request_overhead_s=request_overhead_s,
+            itl_budget_s=itl_budget_s,
         ),
     }
 
@@ -111,7 +116,7 @@ def validate(bench_json: Path, out: Path | None, layers: int = 30) -> int:
         step_s, request_s = serving_overheads(profile, wl, w.get("idle", {}).get("colocated"))
         print(f"[plan] {wl_name}: serving overheads from the idle requests: {1e3 * step_s:.1f} ms per step, "
               f"{1e3 * request_s:.1f} ms per request")  # fmt: skip
-        deps = deployments(CostModel(profile, step_s), args, layers, request_s)
+        deps = deployments(CostModel(profile, step_s), args, layers, request_s, data.get("itl_budget_s"))
         predicted_ok: dict[str, list[float]] = {m: [] for m in deps}
         for rate in w["rates"]:
             arrivals = poisson_arrivals(len(wl.requests), rate, args.seed)

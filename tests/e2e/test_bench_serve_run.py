@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from disagg.cli import main
 from planner.profile import HardwareProfile, ProfileSource
 
@@ -20,8 +22,10 @@ def test_bench_serve_runs_both_modes_and_writes_everything(smollm2_dir: Path, tm
     assert {p["mode"] for p in points} == {"colocated", "disaggregated"}
     assert all(p["errors"] == 0 and p["ttft_p50"] > 0 and p["itl_p99"] > 0 for p in points)
     disagg = next(p for p in points if p["mode"] == "disaggregated")
-    # placement auto (the default) on the calibrated profile: an idle decode node keeps a 96-token prompt
+    # placement auto (the default) on the calibrated profile: an idle decode node keeps a 96-token prompt; with
+    # streams decoding it prefills only in steps within 1.5 calibrated decode steps (the TPOT SLO's factor)
     assert disagg["local_prefills"] >= 1
+    assert report["itl_budget_s"] == pytest.approx(1.5 * report["calibration"]["decode_step_s"])
     if disagg["local_prefills"] < 3:  # some went to the prefill node: their traces are joined across nodes
         assert disagg["split_prefill"] > 0 and disagg["split_transfer"] is not None
     targets = report["targets"]
