@@ -19,7 +19,8 @@ short prompts itself; a busy one sends them away; a busy prefill pool keeps more
 That sum trades the streams' seconds against the prompt's and knows no SLO: a stall of one step
 per stream is cheap in it, yet each such step is an inter-token interval the split exists to
 remove. With an ITL budget (``itl_budget_s``, the deployment's ITL / TPOT SLO) a prompt is
-prefilled here while streams are decoding only if its longest chunk step stays within the budget
+prefilled here while streams are decoding (or prompts are queued here: they will be) only if its
+longest chunk step stays within the budget
 (on the Emerald Rapids Xeon, session 41, ``make bench``'s prefill-heavy run without it: the decode
 node prefilled 14-35 of 50 prompts itself in ~270 ms steps, and its stalled intervals exceeded the
 colocated replicas' at two of five rates). An idle engine still takes what the cost rule gives it.
@@ -90,8 +91,9 @@ def decide(
     )
     if mode is PrefillPlacement.AUTO:
         is_local = local_s + x.running * stall_s <= remote_s
-        if is_local and x.running and itl_budget_s is not None:  # its longest step, with the streams in it
-            is_local = local.step_s(x.running, x.context, min(x.prompt_tokens, chunk)) <= itl_budget_s
+        # prompts queued here decode by the time its chunks run: they count as streams it would stall
+        if is_local and (x.running or x.local_queue_tokens) and itl_budget_s is not None:
+            is_local = local.step_s(max(x.running, 1), x.context, min(x.prompt_tokens, chunk)) <= itl_budget_s
     else:
         is_local = mode is PrefillPlacement.LOCAL
     return Decision(is_local, local_s, remote_s, stall_s)

@@ -79,6 +79,9 @@ def test_an_itl_budget_keeps_prompts_local_only_in_steps_within_it() -> None:
     assert not decide(long, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=0.99 * c.step_s(4, 256.0, 128)).local
     idle = PlacementInputs(32, 0, 0.0, 0, 0, 128)  # nobody decoding: nobody stalls, the budget does not apply
     assert decide(idle, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=1e-6).local
+    queued = PlacementInputs(32, 0, 0.0, 32, 20_000, 128)  # a prompt queued here decodes by the time this one runs
+    assert decide(queued, c, c, 0.02, PrefillPlacement.AUTO).local
+    assert not decide(queued, c, c, 0.02, PrefillPlacement.AUTO, itl_budget_s=1e-6).local
     forced = PlacementInputs(512, 8, 256.0, 0, 0, 128)
     assert decide(forced, c, c, 0.02, PrefillPlacement.LOCAL, itl_budget_s=1e-6).local  # only auto reads it
     with pytest.raises(ValueError, match="greater than 0"):
