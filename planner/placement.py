@@ -117,8 +117,9 @@ class PlacementSpec(BaseModel):
     itl_budget_s: float | None = Field(
         default=None,
         gt=0,
-        description="auto: while streams decode here, a prompt is prefilled here only if each of its chunk steps "
-        "stays within this many seconds (the deployment's ITL / TPOT SLO); None: the cost rule alone",
+        description="auto: while streams decode here (or prompts wait here), a prompt is prefilled here only if "
+        "each of its chunk steps stays within this many seconds (the deployment's ITL / TPOT SLO); None: the cost "
+        "rule alone",
     )
     local_max_tokens: int = Field(
         default=0,
