@@ -415,7 +415,7 @@ void prefill_kernel(const T* q, const PT* pool, const int64_t* table, T* out, in
 #if defined(__AVX512BF16__)
   // vdpbf16ps where it runs one a cycle (AMD); on Intel's cores, where it runs one in two (disagg_attn::intel_cores),
   // the fp32 kernel below on the same bf16 pages and queries: on the Emerald Rapids Xeon (session 41, SmolLM2's
-  // heads, one thread, alternated) it took 0.76-0.93x the bf16 kernel's time at 128-2,048 tokens.
+  // heads, one thread, alternated, two runs) it took 0.79-0.98x the bf16 kernel's time at 128-2,048 tokens.
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<PT, at::BFloat16>)
     if (disagg_attn::scores_by_dpbf16())
       return prefill_kernel_bf16(q, pool, table, out, L, first, Hq, Hkv, D, P, page_stride, head_stride, kv_stride,
