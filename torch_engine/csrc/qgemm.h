@@ -396,20 +396,23 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
-    // 8-row tiles of the kinds with a minimum (Q4_1, Q5_1, Q4_K, Q5_K and their unpacked copies): every row's integer
-    // sum one chain of 8 `vpdpbusd`, the 8 rows' chains issued side by side (a chunk at a time for all rows), instead of
-    // two chains a row joined by an add. The Emerald Rapids (family 6 model 207, session 42, one thread, alternated in
-    // one process, gemm_ab.cpp of session 39): Q4_1 1.10-1.12x, Q4_K 1.10-1.17x, Q5_1 1.04-1.09x at 8 and 64 rows; Q4_0
-    // and Q8_0 (no minimum) 0.95-1.0x so, and 16-row tiles 0.77-0.87x (their sums spill). The integer sums are the same.
-    constexpr bool side_by_side = R == 8 && has_min(KD);
+    // 8- and 16-row tiles of the kinds with a minimum (Q4_1, Q5_1, Q4_K, Q5_K and their unpacked copies): every row's
+    // integer sum one chain of 8 `vpdpbusd`, 8 rows' chains issued side by side (a chunk at a time for those rows),
+    // instead of two chains a row joined by an add. The Emerald Rapids (family 6 model 207, session 42, one thread,
+    // alternated in one process, gemm_ab.cpp of session 39): Q4_1 1.10-1.12x, Q4_K 1.10-1.17x, Q5_1 1.04-1.09x at 8 and
+    // 64 rows; at 16 rows (two halves of 8) Q4_1 1.07-1.14x, Q4_K 1.15-1.16x, Q5_1 1.09-1.13x. Q4_0 and Q8_0 (no
+    // minimum) 0.95-1.0x so; all 16 rows at once 0.77-0.87x (their sums spill). The integer sums are the same.
+    constexpr bool side_by_side = (R == 8 || R == 16) && has_min(KD);
     [[maybe_unused]] __m512i sums[side_by_side ? R : 1];
     if constexpr (side_by_side) {
-      for (int r = 0; r < R; ++r) sums[r] = _mm512_set1_epi32(u8_offset<KD>() * x.s[(r0 + r) * NB + b]);
-      for (int c = 0; c < 8; ++c)
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * BLOCK);
-          sums[r] = _mm512_dpbusd_epi32(sums[r], wv[c], _mm512_set1_epi32(xi[c]));
-        }
+      for (int h = 0; h < R; h += 8) {
+        for (int r = h; r < h + 8; ++r) sums[r] = _mm512_set1_epi32(u8_offset<KD>() * x.s[(r0 + r) * NB + b]);
+        for (int c = 0; c < 8; ++c)
+          for (int r = h; r < h + 8; ++r) {
+            const int32_t* xi = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * BLOCK);
+            sums[r] = _mm512_dpbusd_epi32(sums[r], wv[c], _mm512_set1_epi32(xi[c]));
+          }
+      }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
