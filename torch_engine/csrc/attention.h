@@ -54,10 +54,6 @@ inline bool intel_cores() {
 #endif
 }
 
-// Whether the decode attention prefetches each next chunk spread over the chunk kernel's compute (PfCursor) instead
-// of touch_range()'s windows: AVX2 builds always (attend_range); AVX-512 builds on Intel's cores.
-inline bool spread_prefetch() { return intel_cores(); }
-
 // Whether the bf16 pages' scores take vdpbf16ps (the query as bf16 hi + lo parts: AMD) or the K words widened to
 // fp32 and two FMAs (Intel; the query as it is, in fp32). On the Emerald Rapids, alternated in one process with the K /
 // V in cache: the FMAs 1.15-1.17x faster, the chunk's K widened once for its G query heads another 1.10x.
@@ -99,8 +95,8 @@ inline float to_float(T v) {
 }
 
 // The cache lines of the next chunk's K / V of one KV head, prefetched a few at a time from inside the chunk kernels'
-// loops (chunk_avx2, chunk_avx512, chunk_bf16_avx512), spread over their compute (spread_prefetch()). On the AVX2-only
-// Zen 3 (family 25 model 1) touch_range's window of loads and the chunks' compute ran one after the other (SmolLM2's
+// loops (chunk_avx2, chunk_avx512, chunk_bf16_avx512), spread over their compute: every build on every CPU. On the
+// AVX2-only Zen 3 (family 25 model 1) touch_range's window of loads and the chunks' compute ran one after the other (SmolLM2's
 // 30 layers at 16 x 290 tokens, fp32 pages, 214 MB: 26-30 ms from DRAM, 14.4 ms in L3), and prefetches in bursts — a
 // chunk or a head at a time, 1-8 chunks ahead — were slower still (0.88-0.98x): a burst fills the miss buffers and the
 // chunk's own loads wait behind it. A line per 8 FMAs of the scores and two per token of the weighted values: 1.32x
@@ -111,7 +107,11 @@ inline float to_float(T v) {
 // The cursor counts token and line instead of dividing a line number by the lines a token (until session 42 two
 // 64-bit `idiv`s a line, 128 a chunk and KV head of SmolLM2's bf16 pages: the divider, not the FMAs, set the pace —
 // the same Xeon, alternated in one process, bit-identical outputs: the bf16 split path 1.7-2.0x faster with the K / V
-// in cache, 1.2-1.4x after a weights-sized stream, at 8 x 290 tokens).
+// in cache, 1.2-1.4x after a weights-sized stream, at 8 x 290 tokens). AMD's AVX-512 builds touched windows of ~256 KB
+// instead (touch_range) until session 43: on a Zen 5 (family 26 model 2, one thread, alternated in one process,
+// outputs bit-identical) spreading was 1.38-1.57x faster for the bf16 split path after a weights-sized stream at
+// 1-16 x 60-1,000 tokens (0.93x with the K / V in cache), fp32 pages 1.40x from DRAM and 1.23x in cache. A Zen 4 was
+// not measured with the cursor (its windows had been measured against prefetches in bursts only).
 struct PfCursor {
   const char* const* rows = nullptr;  // the next chunk's K rows of this head (V at + kv_bytes); n = 0: none
   int64_t n = 0, kv_bytes = 0, lines = 0;  // tokens, V's offset in bytes, cache lines a row
@@ -503,39 +503,20 @@ struct PageWalk {
   }
 };
 
-// The K / V rows of the chunk at token `cs` (if it is before t1) into the cache, one prefetch a cache line:
-// issued while the chunk before it is computed, it hides the DRAM latency of a page that lies anywhere
-// (SmolLM2, batch 8 at 1k tokens of context, AVX-512 Zen 4: the attention 19 -> 16.5 ms of a 26 ms step
-// at one thread, the step -6 % at two; two chunks ahead was slower).
-template <typename T>
-inline void prefetch_chunk(const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t cs, int64_t t1,
-                           int64_t D, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride) {
-  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
-  PageWalk at(cs, P);
-  for (int64_t t = cs; t < std::min(cs + CHUNK, t1); ++t, at.next()) {
-    const T* b = pool + row[at.page] * page_stride + at.offset * token_stride;
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; d += LINE) {
-        __builtin_prefetch(b + h * head_stride + d, 0, 3);
-        __builtin_prefetch(b + h * head_stride + kv_stride + d, 0, 3);
-      }
-  }
-}
-
-// Every cache line of the K / V of tokens [t0, t1) (all H heads) loaded and discarded: run at the start of a
-// window of chunks, it brings the window into L1 / L2 with independent loads back to back, at the memory's
-// pace. The chunks' own loads (a prefetch one chunk ahead included) waited on each line: SmolLM2's 30 layers
-// of attention (3 KV heads of 64, bf16 pages, 290 tokens, one thread, after the weights' stream evicted the
-// KV) took 0.6-1.0 ms at batch 1 and 4.9-7.9 ms at batch 8 (7-11 GB/s), 0.29 / 2.0 ms with the KV in cache;
-// no prefetch distance or hint changed that, touching each window first did (AVX-512 Zen 4, 2026-12-03).
-// Touched in address order: in HND pages each (head, K / V) slice's tokens as one run of lines, a page at a time
-// (token after token across the 2H slices was 2H interleaved streams of 128 bytes each: the same Zen 4, session
-// 38, alternated in one process: the step 1.045x faster at batch 1 (context 256 -> 1,256) and 1.05-1.08x at batch 8,
-// one thread). Prefetching the next layer's K / V during this layer's GEMMs, prefetches instead of loads here, and
-// touching a thread's whole layer first were each slower, prefetch_chunk() in the same order no faster (the same
-// session). On Intel's cores (an Emerald Rapids Xeon, session 40) a run of loads waits on memory's latency (a page's
-// 12 KB at ~8 GB/s): there a range's first chunk only is touched and the rest is prefetched spread over the compute
-// (PfCursor; session 41, which replaced session 40's next-page prefetch from inside these loads).
+// Every cache line of the K / V of tokens [t0, t1) (all H heads) loaded and discarded, with independent loads back
+// to back: run on a range's first chunk (the rest is prefetched by PfCursor). Until session 43 AMD's AVX-512 builds
+// ran it on each window of ~256 KB of chunks: the chunks' own loads (a prefetch one chunk ahead included) had waited
+// on each line — SmolLM2's 30 layers of attention (3 KV heads of 64, bf16 pages, 290 tokens, one thread, after the
+// weights' stream evicted the KV) took 0.6-1.0 ms at batch 1 and 4.9-7.9 ms at batch 8 (7-11 GB/s), 0.29 / 2.0 ms
+// with the KV in cache; no prefetch distance or hint changed that, touching each window first did (AVX-512 Zen 4,
+// 2026-12-03). Touched in address order: in HND pages each (head, K / V) slice's tokens as one run of lines, a page
+// at a time (token after token across the 2H slices was 2H interleaved streams of 128 bytes each: the same Zen 4,
+// session 38, alternated in one process: the step 1.045x faster at batch 1 (context 256 -> 1,256) and 1.05-1.08x at
+// batch 8, one thread). Prefetching the next layer's K / V during this layer's GEMMs, prefetches instead of loads
+// here, and touching a thread's whole layer first were each slower (the same session). On Intel's cores (an Emerald
+// Rapids Xeon, session 40) a run of loads waits on memory's latency (a page's 12 KB at ~8 GB/s): there a range's
+// first chunk only was touched and the rest prefetched spread over the compute (PfCursor; session 41), and on a Zen 5
+// too (session 43: see PfCursor).
 template <typename T>
 inline void touch_range(const T* pool, int64_t H, int64_t head_stride, const int64_t* row, int64_t t0, int64_t t1,
                         int64_t D, int64_t P, int64_t page_stride, int64_t kv_stride, int64_t token_stride) {
@@ -578,11 +559,6 @@ inline void touch_range(const T* pool, int64_t H, int64_t head_stride, const int
 #else
   asm volatile("" : : "r"(sink));
 #endif
-}
-
-// Chunks a touch_range() window holds: ~256 KB of K / V, inside L2 (512 KB on a Zen 3, 1-2 MB since).
-inline int64_t touch_chunks(int64_t H, int64_t D, int64_t elem) {
-  return std::max<int64_t>(1, (256 * 1024) / (CHUNK * H * 2 * D * elem));
 }
 
 // The bf16 pages' query, prepared once for every part of a sequence it attends (split path: bf16 pool, a
@@ -652,20 +628,15 @@ void attend_split(const float* qsplit, const uint16_t* qhl, const at::BFloat16* 
   std::fill(zeros, zeros + D, 0.0f);
   const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zeros);
   const at::BFloat16* base[CHUNK];
-  const at::BFloat16* next[CHUNK];  // the next chunk's K of head 0 (spread)
+  const at::BFloat16* next[CHUNK];  // the next chunk's K of head 0
   const char* lines[CHUNK];
-  const bool spread = spread_prefetch();
-  const int64_t window = spread ? CHUNK : touch_chunks(H, D, static_cast<int64_t>(sizeof(at::BFloat16))) * CHUNK;
   const bool dpbf16 = scores_by_dpbf16();
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
-    if (spread ? cs == t0 : (cs - t0) % window == 0)
-      touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
+    if (cs == t0)
+      touch_range(pool, H, head_stride, row, cs, std::min(cs + CHUNK, t1), D, P, page_stride, kv_stride, token_stride);
     const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
-    int64_t next_len = 0;
-    if (!spread)
-      prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, ahead, D, P, page_stride, kv_stride, token_stride);
-    else if (cs + CHUNK < ahead)
-      next_len = chunk_rows(pool, row, cs + CHUNK, ahead, P, page_stride, token_stride, next);
+    const int64_t next_len =
+        cs + CHUNK < ahead ? chunk_rows(pool, row, cs + CHUNK, ahead, P, page_stride, token_stride, next) : 0;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
       PfCursor pf{lines, next_len, kv_stride * 2, (D * 2 + 63) / 64, 0};
@@ -724,25 +695,16 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
   const T* base[CHUNK];  // each token's K of head 0
   const float* krow[CHUNK];
   const float* vrow[CHUNK];
-  // spread: the first chunk touched; each next one prefetched a few lines at a time from inside the chunk kernel
+  // the first chunk touched; each next one prefetched a few lines at a time from inside the chunk kernel
   // (PfCursor); the plain kernel takes the cursor's lines after each head
-#if defined(DISAGG_ATTN_AVX2)
-  const bool spread = true;
-#else
-  const bool spread = spread_prefetch();
-#endif
-  const int64_t window = spread ? CHUNK : touch_chunks(H, D, static_cast<int64_t>(sizeof(T))) * CHUNK;
-  const T* next[CHUNK];  // the next chunk's K of head 0 (spread)
+  const T* next[CHUNK];  // the next chunk's K of head 0
   const char* lines[CHUNK];
   for (int64_t cs = t0; cs < t1; cs += CHUNK) {
-    if (spread ? cs == t0 : (cs - t0) % window == 0)
-      touch_range(pool, H, head_stride, row, cs, std::min(cs + window, t1), D, P, page_stride, kv_stride, token_stride);
+    if (cs == t0)
+      touch_range(pool, H, head_stride, row, cs, std::min(cs + CHUNK, t1), D, P, page_stride, kv_stride, token_stride);
     const int64_t len = chunk_rows(pool, row, cs, t1, P, page_stride, token_stride, base);
-    int64_t next_len = 0;
-    if (!spread)
-      prefetch_chunk(pool, H, head_stride, row, cs + CHUNK, t1, D, P, page_stride, kv_stride, token_stride);
-    else if (cs + CHUNK < t1)
-      next_len = chunk_rows(pool, row, cs + CHUNK, t1, P, page_stride, token_stride, next);
+    const int64_t next_len =
+        cs + CHUNK < t1 ? chunk_rows(pool, row, cs + CHUNK, t1, P, page_stride, token_stride, next) : 0;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
       PfCursor pf{lines, next_len, kv_stride * static_cast<int64_t>(sizeof(T)),
