@@ -164,3 +164,28 @@ def test_every_path_computes_the_same_values_in_two_formats_the_same(
             assert np.allclose(ya, yb, rtol=1e-6, atol=1e-6), lvl
         else:
             assert np.array_equal(ya, yb), lvl
+
+
+@pytest.mark.parametrize("kind", [QuantKind.Q4_1, QuantKind.Q5_1, QuantKind.Q4_K, QuantKind.Q5_K])
+@pytest.mark.parametrize("rows", [8, 16])
+def test_rows_side_by_side_and_two_chains_a_row_agree(
+    paths: dict[str, ctypes.CDLL], kind: QuantKind, rows: int
+) -> None:
+    """AVX-512's 8- and 16-row tiles of the kinds with a minimum issue their rows' chains side by side on Intel's
+    cores and as two chains a row elsewhere: the integer sums are the same, so the tile this CPU does not take equals
+    the product the engine's path computes bit for bit."""
+    so = paths["native"]
+    if so.qgemm_path() != b"avx512-vnni":
+        pytest.skip("no AVX-512 VNNI here")
+    n, k = 40, 512
+    parts, _ = _weight(kind, n, k, seed=rows)
+    x = (np.random.default_rng(rows).standard_normal((rows, k)) * 3).astype(np.float32)
+    want, (q, dx, s) = _run(so, kind, parts, n, x, None, None)
+    other = np.zeros((rows, n), np.float32)
+    qs, d, m = parts
+    ran = so.qgemm_gemm_other_tiles(
+        ctypes.c_int64(int(kind)), ctypes.c_int64(n), ctypes.c_int64(k), _ptr(qs), _ptr(d), _ptr(m), _ptr(q),
+        _ptr(dx), _ptr(s), ctypes.c_int64(rows), _ptr(other),
+    )  # fmt: skip
+    assert ran == 1
+    assert np.array_equal(other, want)

@@ -30,17 +30,18 @@ parts = body.split("#pragma omp barrier\n")
 assert len(parts) == len(NAMES) + 1, len(parts)
 timed = parts[0]
 for k, part in enumerate(parts[1:]):
-    timed += f"#pragma omp barrier\n        if (t == 0) {{ const double n_ = ph_now(); ph_acc[{k}] += n_ - ph_t; ph_t = n_; }}\n"
+    stamp = f"if (t == 0) {{ const double n_ = ph_now(); ph_acc[{k}] += n_ - ph_t; ph_t = n_; }}"
+    timed += f"#pragma omp barrier\n        {stamp}\n"
     timed += part
 start = "      if (t == 0) ph_t = ph_now();\n"
 names = ", ".join(f'"{n}"' for n in NAMES)
 report = (
     "      if (t == 0 && ++ph_calls % " + str(EVERY) + " == 0) {\n"
     f"        static const char* names[] = {{{names}}};\n"
-    "        double total = 0; std::printf(\"B=%lld per step:\", static_cast<long long>(B));\n"
-    f"        for (int k = 0; k < {len(NAMES)}; ++k) {{ std::printf(\" %s %.2f\", names[k], 1e3 * ph_acc[k] / {EVERY});"
+    '        double total = 0; std::printf("B=%lld per step:", static_cast<long long>(B));\n'
+    f'        for (int k = 0; k < {len(NAMES)}; ++k) {{ std::printf(" %s %.2f", names[k], 1e3 * ph_acc[k] / {EVERY});'
     " total += ph_acc[k]; ph_acc[k] = 0; }\n"
-    f"        std::printf(\" | total %.2f ms\\n\", 1e3 * total / {EVERY}); std::fflush(stdout);\n"
+    f'        std::printf(" | total %.2f ms\\n", 1e3 * total / {EVERY}); std::fflush(stdout);\n'
     "      }\n"
 )
 prelude = (

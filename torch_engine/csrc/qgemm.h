@@ -320,7 +320,19 @@ inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
   for (int v = 0; v < 8; ++v) wv[v] = _mm512_mask_add_epi8(wv[v], _cvtu64_mask64(high_bits(qb, v, bits_at(Q3_K))), wv[v], b3);
 }
 
-template <Kind KD, int R>
+// Whether 8- and 16-row tiles of the kinds with a minimum issue their rows' chains side by side (group_tile's SBS):
+// on Intel's cores (the CPU's vendor, read once: a path picked by it depends on the CPU, never on a timing). A Zen 5
+// (family 26 model 2, session 43, alternated in one process, gemm_ab.cpp of session 39) ran the 16-row halves
+// 0.82-0.91x and 8-row tiles 0.95-1.04x against the two chains a row.
+inline bool rows_side_by_side() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+
+template <Kind KD, int R, bool SBS = false>
 inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
                        const float* bias, bool accumulate) {
   constexpr int64_t BB = Q16::block_bytes(KD);
@@ -396,13 +408,14 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
       sa = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP)));
       sb = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + b * 2 * GROUP + GROUP)));
     }
-    // 8- and 16-row tiles of the kinds with a minimum (Q4_1, Q5_1, Q4_K, Q5_K and their unpacked copies): every row's
-    // integer sum one chain of 8 `vpdpbusd`, 8 rows' chains issued side by side (a chunk at a time for those rows),
-    // instead of two chains a row joined by an add. The Emerald Rapids (family 6 model 207, session 42, one thread,
-    // alternated in one process, gemm_ab.cpp of session 39): Q4_1 1.10-1.12x, Q4_K 1.10-1.17x, Q5_1 1.04-1.09x at 8 and
-    // 64 rows; at 16 rows (two halves of 8) Q4_1 1.07-1.14x, Q4_K 1.15-1.16x, Q5_1 1.09-1.13x. Q4_0 and Q8_0 (no
-    // minimum) 0.95-1.0x so; all 16 rows at once 0.77-0.87x (their sums spill). The integer sums are the same.
-    constexpr bool side_by_side = (R == 8 || R == 16) && has_min(KD);
+    // SBS (Intel's cores: rows_side_by_side()), 8- and 16-row tiles of the kinds with a minimum (Q4_1, Q5_1, Q4_K, Q5_K
+    // and their unpacked copies): every row's integer sum one chain of 8 `vpdpbusd`, 8 rows' chains issued side by side
+    // (a chunk at a time for those rows), instead of two chains a row joined by an add. The Emerald Rapids (family 6
+    // model 207, session 42, one thread, alternated in one process, gemm_ab.cpp of session 39): Q4_1 1.06-1.12x, Q4_K
+    // 1.10-1.17x, Q5_1 1.04-1.09x at 8 and 64 rows; at 16 rows (two halves of 8) Q4_1 1.06-1.14x, Q4_K 1.13-1.16x,
+    // Q5_1 1.09-1.14x. Q4_0 and Q8_0 (no minimum) 0.95-1.0x so; all 16 rows at once 0.77-0.87x (their sums spill). The
+    // integer sums are the same.
+    constexpr bool side_by_side = SBS && (R == 8 || R == 16) && has_min(KD);
     [[maybe_unused]] __m512i sums[side_by_side ? R : 1];
     if constexpr (side_by_side) {
       for (int h = 0; h < R; h += 8) {
@@ -894,11 +907,22 @@ constexpr bool wide_tiles() {
 #endif
 }
 
-// The n rows from r0 as one tile, n in 1 .. sizeof...(N): group_tile<KD, n>.
+// A tile of R rows from r0: group_tile<KD, R>, its rows side by side where rows_side_by_side() picks it.
+template <Kind KD, int R>
+inline void tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy, const float* bias,
+                 bool accumulate) {
+#if defined(DISAGG_I8_AVX512)
+  if constexpr (has_min(KD) && (R == 8 || R == 16))
+    if (rows_side_by_side()) return group_tile<KD, R, true>(w, x, r0, g, y, ldy, bias, accumulate);
+#endif
+  group_tile<KD, R>(w, x, r0, g, y, ldy, bias, accumulate);
+}
+
+// The n rows from r0 as one tile, n in 1 .. sizeof...(N): tile<KD, n>.
 template <Kind KD, int... N>
 inline void last_tile(int64_t n, std::integer_sequence<int, N...>, const Q16& w, const ActQ8& x, int64_t r0, int64_t g,
                       float* y, int64_t ldy, const float* bias, bool accumulate) {
-  static_cast<void>(((n == N + 1 && (group_tile<KD, N + 1>(w, x, r0, g, y, ldy, bias, accumulate), true)) || ...));
+  static_cast<void>(((n == N + 1 && (tile<KD, N + 1>(w, x, r0, g, y, ldy, bias, accumulate), true)) || ...));
 }
 
 template <Kind KD>
@@ -916,10 +940,10 @@ inline void groups_kind(const Q16& w, const ActQ8& x, int64_t R, int64_t g0, int
     int64_t r = 0, left = TILE_ROWS - 1;
     if constexpr (wide_tiles<KD>())
       if (R <= WIDE_MAX_ROWS) {
-        for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) group_tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+        for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) tile<KD, WIDE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
         left = WIDE_ROWS - 1;
       }
-    for (; R - r > left; r += TILE_ROWS) group_tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
+    for (; R - r > left; r += TILE_ROWS) tile<KD, TILE_ROWS>(w, x, r, g, y, ldy, bias, accumulate);
     if (r < R)
       last_tile<KD>(R - r, std::make_integer_sequence<int, MOST_LEFT>{}, w, x, r, g, y, ldy, bias, accumulate);
   }
