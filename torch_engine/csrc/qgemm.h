@@ -103,16 +103,19 @@ constexpr bool byte_quants(Kind k) {  // a byte each
 // bandwidth at one row, at ~1.0 with every line; SmolLM2's batch-1 step -20 %): at one row 32 blocks (8 KB of Q4,
 // 16 KB of Q8; the groups lie one after the other, so this runs into the next group), with more rows each block takes
 // longer and 8 ahead is enough (A/B on the AVX-512 Zen 4, 2026-12-02: 32 / 8 vs 16 / 4 equal at one row, -3-8 % at 8
-// rows). Q8_0 at two rows (the lm_head's `precise` pair at batch 1) still reads at the memory's pace and takes 16
+// rows). Q8_0 at two rows (the lm_head's `precise` pair at batch 1) still reads at the memory's pace and took 16
 // (session 38, the same Zen 4, alternated in one process: SmolLM2's batch-1 step 1.017x / 1.034x faster at one / two
-// threads; 16 for every kind at two rows left the batch-2 step 0.97-1.0x).
+// threads; 16 for every kind at two rows left the batch-2 step 0.97-1.0x). Since session 43 2-4 rows take 32 and 5-8
+// rows 16: on a Zen 5 (family 26 model 2, a model's GEMMs from DRAM, cold_gemm.txt, alternated in one process) the
+// GEMMs of 2 / 3 / 4 rows ran 1.23 / 1.27 / 1.21x faster with 32 (1.14-1.16x with 16), 8 rows 1.14x with 16 (32
+// no better), 9-16 rows no faster (0.97-1.0x); an Emerald Rapids had shown 16 at 4-8 rows 1.01-1.06x (session 42).
 template <int64_t BB>
 inline void prefetch_block(const uint8_t* p) {
   for (int64_t c = 0; c < BB; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
 template <Kind KD, int R>
 constexpr int64_t prefetch_blocks() {
-  return R == 1 ? 32 : (R == 2 && byte_quants(KD) ? 16 : 8);
+  return R <= 4 ? 32 : (R <= 8 ? 16 : 8);
 }
 constexpr bool q2_mins(Kind k) { return k == Q2_K || k == U8_Q2K; }  // Q2_K's minimum per 16 weights
 constexpr bool sub_scales(Kind k) {  // a scale per 16 weights (int8; Q2_K: 4 bits, beside a 4-bit minimum)
