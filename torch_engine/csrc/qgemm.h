@@ -414,7 +414,7 @@ inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, floa
     // SBS (Intel's cores: rows_side_by_side()), 8- and 16-row tiles of the kinds with a minimum (Q4_1, Q5_1, Q4_K, Q5_K
     // and their unpacked copies): every row's integer sum one chain of 8 `vpdpbusd`, 8 rows' chains issued side by side
     // (a chunk at a time for those rows), instead of two chains a row joined by an add. The Emerald Rapids (family 6
-    // model 207, session 42, one thread, alternated in one process, gemm_ab.cpp of session 39): Q4_1 1.06-1.12x, Q4_K
+    // model 207, session 42, one thread, alternated in one process, gemm_ab.cpp of session 39): Q4_1 1.10-1.12x, Q4_K
     // 1.10-1.17x, Q5_1 1.04-1.09x at 8 and 64 rows; at 16 rows (two halves of 8) Q4_1 1.06-1.14x, Q4_K 1.13-1.16x,
     // Q5_1 1.09-1.14x. Q4_0 and Q8_0 (no minimum) 0.95-1.0x so; all 16 rows at once 0.77-0.87x (their sums spill). The
     // integer sums are the same.
