@@ -5,7 +5,7 @@
 // but for the prefetch distance at 4+ rows (8 -> 16 blocks: no clear change) and to see how far the GEMMs are from
 // flat over rows (cold_gemm.txt).
 //
-//   g++ -O3 -march=native -std=c++17 -ffast-math -fno-finite-math-only -I. -DOLD='"/tmp/qgemm_old.h"' \
+//   g++ -O3 -march=native -std=c++17 -ffast-math -fno-finite-math-only -I. -Itorch_engine/csrc -DOLD='"/tmp/qgemm_old.h"' \
 //       -DNEW='"torch_engine/csrc/qgemm.h"' -o /tmp/cold benchmarks/xeon-2026-12-07-s42/cold_gemm.cpp
 //   taskset -c 1 /tmp/cold 1 9; taskset -c 1 /tmp/cold 3 7    # copies rounds
 // A model's worth of GEMMs (SmolLM2's shapes, 30 layers, distinct weights) at R rows, two headers alternated.
@@ -20,6 +20,12 @@
 #include <cstdlib>
 #include <random>
 #include <vector>
+// Since session 44 both header versions may share the vendor check (cpu_vendor.h): included once here, at global
+// scope, so that a header included inside namespace A or B finds it already defined (-Itorch_engine/csrc lets a copy
+// of a header outside the tree find it too).
+#if __has_include("torch_engine/csrc/cpu_vendor.h")
+#include "torch_engine/csrc/cpu_vendor.h"
+#endif
 namespace A {
 #include OLD
 }

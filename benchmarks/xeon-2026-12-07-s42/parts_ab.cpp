@@ -8,7 +8,7 @@
 // the two versions' outputs. Session 42 (Emerald Rapids Xeon), parts_ab.txt:
 //
 //   git show 0f6efd5:torch_engine/csrc/attention.h > /tmp/attention_old.h   # the header before session 42
-//   g++ -O3 -march=native -ffast-math -fno-finite-math-only -std=c++17 -I. \
+//   g++ -O3 -march=native -ffast-math -fno-finite-math-only -std=c++17 -I. -Itorch_engine/csrc \
 //       -I.venv/lib/python3.11/site-packages/torch/include -DOLD='"/tmp/attention_old.h"' \
 //       -DNEW='"torch_engine/csrc/attention.h"' -o /tmp/parts_ab benchmarks/xeon-2026-12-07-s42/parts_ab.cpp
 //   taskset -c 1 /tmp/parts_ab 290 8 11 h; taskset -c 1 /tmp/parts_ab 290 8 11 s   # T S rounds mode
@@ -24,6 +24,12 @@
 #include <cstdio>
 #include <vector>
 #include <random>
+// Since session 44 both header versions may share the vendor check (cpu_vendor.h): included once here, at global
+// scope, so that a header included inside namespace A or B finds it already defined (-Itorch_engine/csrc lets a copy
+// of a header outside the tree find it too).
+#if __has_include("torch_engine/csrc/cpu_vendor.h")
+#include "torch_engine/csrc/cpu_vendor.h"
+#endif
 namespace A {
 #include OLD
 }

@@ -5,7 +5,7 @@
 // largest difference of the normalised outputs. Session 39 (AVX2-only Zen 3), attention_ab.txt:
 //
 //   git show a3ea3d0:torch_engine/csrc/attention.h > /tmp/attention_old.h   # the header before 303c8f9
-//   g++ -O3 -march=native -ffast-math -fno-finite-math-only -std=c++17 -I. \
+//   g++ -O3 -march=native -ffast-math -fno-finite-math-only -std=c++17 -I. -Itorch_engine/csrc \
 //       -I.venv/lib/python3.11/site-packages/torch/include -DOLD='"/tmp/attention_old.h"' \
 //       -DNEW='"torch_engine/csrc/attention.h"' -o /tmp/attention_ab benchmarks/zen3-2026-12-06-s39/attention_ab.cpp
 //   taskset -c 1 /tmp/attention_ab dram; taskset -c 1 /tmp/attention_ab hot; taskset -c 1 /tmp/attention_ab dram 37
@@ -21,6 +21,12 @@
 #include <cstdio>
 #include <vector>
 #include <random>
+// Since session 44 both header versions may share the vendor check (cpu_vendor.h): included once here, at global
+// scope, so that a header included inside namespace A or B finds it already defined (-Itorch_engine/csrc lets a copy
+// of a header outside the tree find it too).
+#if __has_include("torch_engine/csrc/cpu_vendor.h")
+#include "torch_engine/csrc/cpu_vendor.h"
+#endif
 namespace A {
 #include OLD
 }

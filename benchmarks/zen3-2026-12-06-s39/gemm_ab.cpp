@@ -4,7 +4,7 @@
 // alternating in one process keeps the ratio. Session 39 (AVX2-only Zen 3), gemm_ab.txt:
 //
 //   git show 471103c:torch_engine/csrc/qgemm.h > /tmp/qgemm_old.h   # the header before a3ea3d0
-//   g++ -O3 -march=native -std=c++17 -ffast-math -fno-finite-math-only -I. -DOLD='"/tmp/qgemm_old.h"' \
+//   g++ -O3 -march=native -std=c++17 -ffast-math -fno-finite-math-only -I. -Itorch_engine/csrc -DOLD='"/tmp/qgemm_old.h"' \
 //       -DNEW='"torch_engine/csrc/qgemm.h"' -o /tmp/gemm_ab benchmarks/zen3-2026-12-06-s39/gemm_ab.cpp
 //   taskset -c 1 /tmp/gemm_ab
 #include <immintrin.h>
@@ -19,6 +19,12 @@
 #include <utility>
 #include <vector>
 
+// Since session 44 both header versions may share the vendor check (cpu_vendor.h): included once here, at global
+// scope, so that a header included inside namespace A or B finds it already defined (-Itorch_engine/csrc lets a copy
+// of a header outside the tree find it too).
+#if __has_include("torch_engine/csrc/cpu_vendor.h")
+#include "torch_engine/csrc/cpu_vendor.h"
+#endif
 namespace A {
 #include OLD
 }

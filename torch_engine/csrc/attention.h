@@ -19,6 +19,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "cpu_vendor.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -38,28 +40,12 @@ constexpr bool AVX512 = true;
 constexpr bool AVX512 = false;
 #endif
 
-// Intel's cores or not (read once: a path picked by it depends on the CPU, never on a timing). Where they differ from
-// the AMD cores the paths were tuned on: vdpbf16ps runs one in two cycles there (an Emerald Rapids Xeon, family 6
-// model 207, session 40: 1.5 G/s against 6 G/s for 512-bit FMA, which two ports take; a Zen 4 runs it one a cycle
-// beside one FMA), and a run of loads waits on memory's latency (touch_range).
-inline bool intel_cores() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return intel;
-#else
-  return false;
-#endif
-}
-
 // Whether the bf16 pages' scores take vdpbf16ps (the query as bf16 hi + lo parts: AMD) or the K words widened to
 // fp32 and two FMAs (Intel; the query as it is, in fp32). On the Emerald Rapids, alternated in one process with the K /
 // V in cache: the FMAs 1.15-1.17x faster, the chunk's K widened once for its G query heads another 1.10x.
 inline bool scores_by_dpbf16() {
 #if defined(__AVX512BF16__)
-  return !intel_cores();
+  return !disagg_cpu::intel_cores();
 #else
   return false;
 #endif

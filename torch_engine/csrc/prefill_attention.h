@@ -413,7 +413,7 @@ void prefill_kernel(const T* q, const PT* pool, const int64_t* table, T* out, in
                     int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t head_stride, int64_t kv_stride,
                     int64_t token_stride, float scale, const Par& par) {
 #if defined(__AVX512BF16__)
-  // vdpbf16ps where it runs one a cycle (AMD); on Intel's cores, where it runs one in two (disagg_attn::intel_cores),
+  // vdpbf16ps where it runs one a cycle (AMD); on Intel's cores, where it runs one in two (disagg_cpu::intel_cores),
   // the fp32 kernel below on the same bf16 pages and queries: on the Emerald Rapids Xeon (session 41, SmolLM2's
   // heads, one thread, alternated, two runs) it took 0.79-0.98x the bf16 kernel's time at 128-2,048 tokens.
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<PT, at::BFloat16>)

@@ -51,6 +51,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_vendor.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -327,13 +329,7 @@ inline void three_bits512(const uint8_t* qb, __m512i wv[8]) {
 // on Intel's cores (the CPU's vendor, read once: a path picked by it depends on the CPU, never on a timing). A Zen 5
 // (family 26 model 2, session 43, alternated in one process, gemm_ab.cpp of session 39) ran the 16-row halves
 // 0.82-0.91x and 8-row tiles 0.95-1.04x against the two chains a row.
-inline bool rows_side_by_side() {
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return intel;
-}
+inline bool rows_side_by_side() { return disagg_cpu::intel_cores(); }
 
 template <Kind KD, int R, bool SBS = false>
 inline void group_tile(const Q16& w, const ActQ8& x, int64_t r0, int64_t g, float* y, int64_t ldy,
