@@ -88,11 +88,14 @@ def test_every_path_computes_the_product_of_the_quantized_activations(
     rng = np.random.default_rng(rows)
     x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, quants 0
+    x[-1, -32:] = np.float32(3e-39) * rng.standard_normal(32).astype(np.float32)  # subnormals
     bias = rng.standard_normal(n).astype(np.float32)
     acc = rng.standard_normal((rows, n)).astype(np.float32)
     outs = {}
+    quants = {}
     for lvl, so in paths.items():
         y, (q, dx, s) = _run(so, kind, parts, n, x, bias, acc)
+        quants[lvl] = (q, dx, s)
         assert np.abs(q).max() <= 127 and np.array_equal(q.reshape(rows, -1, 32).sum(-1, dtype=np.int32), s), lvl
         step = dx.astype(np.float64).repeat(32, axis=1)
         xq = q.astype(np.float64) * step
@@ -104,6 +107,8 @@ def test_every_path_computes_the_product_of_the_quantized_activations(
     first = outs["x86-64"]
     for lvl, y in outs.items():
         assert np.allclose(y, first, rtol=1e-5, atol=1e-5), lvl
+    for lvl, got in quants.items():  # every path quantizes the activations the same, bit for bit
+        assert all(np.array_equal(a, b) for a, b in zip(got, quants["x86-64"], strict=True)), lvl
 
 
 @pytest.mark.parametrize("rows", [1, 5, 20])

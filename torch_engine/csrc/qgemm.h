@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -204,25 +205,64 @@ struct ActQ8 {
 
 // ---- activations -------------------------------------------------------------------------------------
 
+// A block's scale d = amax / 127 and its inverse; a block whose inverse overflows (amax under ~3.7e-37: subnormal
+// scales) quantizes as an all-zero block (d = 0, quants 0) — its values are below 1e-36 — where x * inf had made every
+// quant -127 and the sums garbage (found by tests/test_int8_kernels.py's subnormal block, session 44).
+inline void block_scale(float amax, float& d, float& id) {
+  d = amax / 127.0f;
+  id = d > 0.0f ? 1.0f / d : 0.0f;
+  if (id > std::numeric_limits<float>::max()) d = id = 0.0f;
+}
+
 // One 32-block of activations -> its quants, scale and quant sum.
 inline void quantize_block(const float* xb, int8_t* qb, float* dx, int32_t* s, float* dxs, int32_t* slo,
                            float* dxlo) {
 #if defined(__AVX512F__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const float d = amax / 127.0f;
-  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  float d, id;
+  block_scale(amax, d, id);
   const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
   const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
   *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
   *slo = _mm512_reduce_add_epi32(i0);
+#elif defined(__AVX2__)
+  // The scalar loop below in 8 lanes, bit for bit (cvtps rounds to nearest even, as nearbyint): it was that loop on
+  // AVX2-only CPUs, 6.5 % of a 256-token prefill's time on a Zen 3 (perf, session 44); 5x faster alone.
+  __m256 v[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_loadu_ps(xb + 8 * c);
+    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), amax8);  // (a NaN value is passed over, as std::max does)
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float d, id;
+  block_scale(_mm_cvtss_f32(m4), d, id);
+  __m256i i[4];
+  for (int c = 0; c < 4; ++c)  // (a NaN or infinite x converts to INT_MIN, clamped to -127 as the loop's clamp does)
+    i[c] = _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id))), _mm256_set1_epi32(-127));
+  const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const auto hsum = [](__m256i a) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+  };
+  const __m256i lo = _mm256_add_epi32(i[0], i[1]);
+  *slo = hsum(lo);
+  *s = hsum(_mm256_add_epi32(lo, _mm256_add_epi32(i[2], i[3])));
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  const float d = amax / 127.0f;
-  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  float d, id;
+  block_scale(amax, d, id);
   int32_t sum = 0;
   for (int64_t i = 0; i < BLOCK; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
