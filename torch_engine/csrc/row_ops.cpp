@@ -133,6 +133,26 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
   });
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The index of x[0 .. n)'s first NaN (argmax_row's vector loops saw one).
+int64_t first_nan(const float* x, int64_t n) {
+  int64_t j = 0;
+  while (j < n && !std::isnan(x[j])) ++j;
+  return j;
+}
+
+// L lanes' largest values and their first indices -> the first largest of them (ties to the lower index; every
+// lane -inf: index 0, the first value).
+template <int L>
+void first_largest(const float* mv, const int32_t* mi, float& top, int64_t& best) {
+  top = mv[0];
+  best = mi[0];
+  for (int l = 1; l < L; ++l)
+    if (mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l];
+  if (top == -std::numeric_limits<float>::infinity()) best = 0;
+}
+#endif
+
 // The first index of x[0 .. n)'s largest value (of its first NaN if any), as torch.argmax.
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0, best = 0;
@@ -151,19 +171,12 @@ int64_t argmax_row(const float* x, int64_t n) {
       vidx = _mm512_mask_mov_epi32(vidx, gt, at);
       at = _mm512_add_epi32(at, step);
     }
-    if (nan != 0) {
-      for (int64_t j = 0; j < n; ++j)
-        if (std::isnan(x[j])) return j;
-    }
+    if (nan != 0) return first_nan(x, n);
     alignas(64) float mv[16];
     alignas(64) int32_t mi[16];
     _mm512_store_ps(mv, vmax);
     _mm512_store_si512(mi, vidx);
-    top = mv[0];
-    best = mi[0];
-    for (int l = 1; l < 16; ++l)
-      if (mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l];
-    if (top == -std::numeric_limits<float>::infinity()) best = 0;  // every value so far -inf: the first
+    first_largest<16>(mv, mi, top, best);
   }
 #elif defined(__AVX2__)
   if (n >= 8) {  // as above in 8 lanes (a plain loop before session 44 on AVX2-only CPUs)
@@ -178,19 +191,12 @@ int64_t argmax_row(const float* x, int64_t n) {
       vidx = _mm256_blendv_epi8(vidx, at, _mm256_castps_si256(gt));
       at = _mm256_add_epi32(at, step);
     }
-    if (_mm256_movemask_ps(nan) != 0) {
-      for (int64_t j = 0; j < n; ++j)
-        if (std::isnan(x[j])) return j;
-    }
+    if (_mm256_movemask_ps(nan) != 0) return first_nan(x, n);
     alignas(32) float mv[8];
     alignas(32) int32_t mi[8];
     _mm256_store_ps(mv, vmax);
     _mm256_store_si256(reinterpret_cast<__m256i*>(mi), vidx);
-    top = mv[0];
-    best = mi[0];
-    for (int l = 1; l < 8; ++l)
-      if (mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l];
-    if (top == -std::numeric_limits<float>::infinity()) best = 0;
+    first_largest<8>(mv, mi, top, best);
   }
 #endif
   for (; i < n; ++i) {
