@@ -356,33 +356,87 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Lane t of the result = the sum of the 8 lanes of a[t].
-inline __m256 hsum8(const __m256 a[8]) {
-  const __m256 y0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 y1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+// 8 values of a page row as fp32 (a bf16 value is the high half of its fp32: zero-extended and shifted)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// chunk_avx512() in 8 lanes (head size a multiple of 8): every head's scores 8 tokens at a time (8 accumulators
-// reduced by hsum8), then every head's online-softmax update (vectorised; its chains overlap across heads), then
-// each head's weighted values (accumulators in registers). pts / cs: G * 16 and G floats of scratch.
-template <int64_t DV>
-inline void chunk_avx2(const float* qf, const float* const* krow, const float* const* vrow, int64_t len, int64_t G,
-                       int64_t dyn_dv, float* acc, float* m, float* l, float* pts, float* cs, PfCursor& pf) {
+// Lane i of the result = the sum of the 8 lanes of a_i.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 z = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+// The 16 scores of GN query heads (qg: head after head, nv vectors of 8 each) against the chunk's K rows, 4 tokens at
+// a time: each K vector is loaded (and widened, bf16 pages) once for the GN heads; 4 x GN accumulators + GN query
+// vectors + the K vector: 16 registers at GN = 3. Forced inline, as values_avx2: GCC inlined them into one copy of
+// chunk_avx2 and not into another, identical code 0.71x vs 0.87x the old kernel (session 45, the Zen 3).
+template <int64_t GN, int64_t DV, typename T>
+[[gnu::always_inline]] inline void scores_avx2(const float* qg, const T* const* krow, int64_t dyn_dv, float* pts,
+                                               PfCursor& pf, int64_t pfk) {
   const int64_t nv = DV > 0 ? DV : dyn_dv;
-  for (int64_t g = 0; g < G; ++g) {  // scores
-    const float* qg = qf + g * nv * 8;
-    for (int half = 0; half < 2; ++half) {
-      const float* const* kr = krow + half * 8;
-      __m256 a[8];
-      const __m256 q0 = _mm256_loadu_ps(qg);
-      for (int t = 0; t < 8; ++t) a[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr[t]));
-      for (int64_t v = 1; v < nv; ++v) {
-        const __m256 qv = _mm256_loadu_ps(qg + v * 8);
-        for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + v * 8), a[t]);
-        pf.step(1);
+  for (int t0 = 0; t0 < 16; t0 += 4) {
+    __m256 a[4][GN];
+    for (int t = 0; t < 4; ++t)
+      for (int64_t g = 0; g < GN; ++g) a[t][g] = _mm256_setzero_ps();
+    for (int64_t v = 0; v < nv; ++v) {
+      __m256 q[GN];
+      for (int64_t g = 0; g < GN; ++g) q[g] = _mm256_loadu_ps(qg + g * nv * 8 + v * 8);
+      for (int t = 0; t < 4; ++t) {
+        const __m256 k = load8(krow[t0 + t] + v * 8);
+        for (int64_t g = 0; g < GN; ++g) a[t][g] = _mm256_fmadd_ps(q[g], k, a[t][g]);
       }
-      _mm256_storeu_ps(pts + g * 16 + half * 8, hsum8(a));
+      pf.step(pfk);
+    }
+    for (int64_t g = 0; g < GN; ++g) _mm_storeu_ps(pts + g * 16 + t0, hsum4(a[0][g], a[1][g], a[2][g], a[3][g]));
+  }
+}
+
+// GN query heads' value accumulators (acc: head after head, nv vectors of 8 each) rescaled by cs and given the chunk's
+// len weighted V rows (probabilities pts, 16 a head), NW vectors of each head at a time in registers: each V vector
+// loaded (and widened) once for the GN heads; GN x NW accumulators + GN probabilities + the V vector: 16 at 3 x 4.
+template <int64_t GN, int64_t NW, typename T>
+[[gnu::always_inline]] inline void values_avx2(const T* const* vrow, int64_t len, int64_t nv, int64_t v0,
+                                               const float* pts, const float* cs, float* acc, PfCursor& pf,
+                                               int64_t pfk) {
+  __m256 av[GN][NW];
+  for (int64_t g = 0; g < GN; ++g) {
+    const __m256 c = _mm256_set1_ps(cs[g]);
+    for (int64_t w = 0; w < NW; ++w) av[g][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * nv * 8 + (v0 + w) * 8), c);
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 p[GN];
+    for (int64_t g = 0; g < GN; ++g) p[g] = _mm256_broadcast_ss(pts + g * 16 + t);
+    for (int64_t w = 0; w < NW; ++w) {
+      const __m256 v = load8(vrow[t] + (v0 + w) * 8);
+      for (int64_t g = 0; g < GN; ++g) av[g][w] = _mm256_fmadd_ps(p[g], v, av[g][w]);
+    }
+    pf.step(pfk);
+  }
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t w = 0; w < NW; ++w) _mm256_storeu_ps(acc + g * nv * 8 + (v0 + w) * 8, av[g][w]);
+}
+
+// One chunk of len <= 16 tokens for the G query heads of a KV head (head size a multiple of 8), K / V rows read in
+// place from fp32 or bf16 pages (rows past len point at zeros), in three loops: the scores of blocks of up to 3 heads
+// (scores_avx2), every head's online-softmax update (vectorised; its chains overlap across heads), then the weighted
+// values of the same blocks (values_avx2). pts / cs: G * 16 and G floats of scratch.
+template <int64_t DV, typename T>
+inline void chunk_avx2(const float* qf, const T* const* krow, const T* const* vrow, int64_t len, int64_t G,
+                       int64_t dyn_dv, float* acc, float* m, float* l, float* pts, float* cs, PfCursor& cursor) {
+  const int64_t nv = DV > 0 ? DV : dyn_dv;
+  PfCursor pf = cursor;  // a local copy, kept in registers (through the reference each step stored and reloaded it)
+  // the next chunk's lines (2 x 16 rows of nv * 8 values), spread over the 8 * nv steps of a block of heads (4 * nv
+  // of the scores, 16 tokens x nv / 4 of the values)
+  const int64_t pfk = (2 * 16 * nv * 8 * static_cast<int64_t>(sizeof(T)) / 64 + 8 * nv - 1) / (8 * nv);
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {  // scores
+    const float* qg = qf + g0 * nv * 8;
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: scores_avx2<3, DV>(qg, krow, nv, pts + g0 * 16, pf, pfk); break;
+      case 2: scores_avx2<2, DV>(qg, krow, nv, pts + g0 * 16, pf, pfk); break;
+      default: scores_avx2<1, DV>(qg, krow, nv, pts + g0 * 16, pf, pfk); break;
     }
   }
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -411,28 +465,30 @@ inline void chunk_avx2(const float* qf, const float* const* krow, const float* c
     _mm256_storeu_ps(pts + g * 16, p0);
     _mm256_storeu_ps(pts + g * 16 + 8, p1);
   }
-  constexpr int64_t NW = DV > 0 && DV <= 8 ? DV : 1;  // value accumulators kept in registers: 8 of 16
-  for (int64_t g = 0; g < G; ++g) {  // the weighted values
-    float* ag = acc + g * nv * 8;
-    const float* pg = pts + g * 16;
-    const __m256 cv = _mm256_set1_ps(cs[g]);
-    for (int64_t v0 = 0; v0 < nv; v0 += NW) {
-      __m256 av[NW];
-      for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_mul_ps(_mm256_loadu_ps(ag + (v0 + w) * 8), cv);
-      for (int64_t t = 0; t < len; ++t) {
-        const __m256 p = _mm256_set1_ps(pg[t]);
-        for (int64_t w = 0; w < NW; ++w) av[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[t] + (v0 + w) * 8), av[w]);
-        pf.step(2);
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {  // the weighted values
+    const int64_t gn = std::min<int64_t>(3, G - g0);
+    const float* pg = pts + g0 * 16;
+    float* ag = acc + g0 * nv * 8;
+    int64_t v0 = 0;
+    for (; v0 + 4 <= nv; v0 += 4) switch (gn) {
+        case 3: values_avx2<3, 4>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
+        case 2: values_avx2<2, 4>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
+        default: values_avx2<1, 4>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
       }
-      for (int64_t w = 0; w < NW; ++w) _mm256_storeu_ps(ag + (v0 + w) * 8, av[w]);
-    }
+    if constexpr (DV == 0 || DV % 4 != 0)  // the vectors past the blocks of 4, one at a time
+      for (; v0 < nv; ++v0) switch (gn) {
+          case 3: values_avx2<3, 1>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
+          case 2: values_avx2<2, 1>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
+          default: values_avx2<1, 1>(vrow, len, nv, v0, pg, cs + g0, ag, pf, pfk); break;
+        }
   }
+  cursor = pf;
 }
 #endif
 
 // n values (fp32 or bf16 pages) as fp32: a bf16 value is the high half of its fp32, so 8 (16) at a time are a
-// zero-extension and a shift (the fp32 engine of an AVX2-only CPU over bf16 pages converts each K / V row once
-// per chunk, shared by the G query heads).
+// zero-extension and a shift (bf16 pages on AVX-512 with a head size that is not a multiple of 32, and the plain
+// loops: each K / V row once per chunk, shared by the G query heads; chunk_avx2 reads bf16 pages in place).
 template <typename T>
 inline void to_floats(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -695,6 +751,22 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
       for (int64_t t = 0; t < next_len; ++t) lines[t] = reinterpret_cast<const char*>(next[t] + h * head_stride);
       PfCursor pf{lines, next_len, kv_stride * static_cast<int64_t>(sizeof(T)),
                   (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, 0};
+      const float* qh = qf + h * G * D;
+      float *ah = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
+#if defined(DISAGG_ATTN_AVX2)
+      if (D % 8 == 0) {  // K / V read in place, fp32 or bf16
+        const T* kr[CHUNK];
+        const T* vr[CHUNK];
+        for (int64_t t = 0; t < CHUNK; ++t) {
+          const T* k = t < len ? base[t] + h * head_stride : nullptr;
+          kr[t] = k != nullptr ? k : reinterpret_cast<const T*>(zeros);
+          vr[t] = k != nullptr ? k + kv_stride : reinterpret_cast<const T*>(zeros);
+        }
+        chunk_avx2<KD / 8, T>(qh, kr, vr, len, G, D / 8, ah, mh, lh, pts, rescale, pf);
+        pf.finish();
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < len; ++t) {
         const T* k = base[t] + h * head_stride;
         if constexpr (std::is_same_v<T, float>) {
@@ -708,17 +780,9 @@ void attend_range(const float* qf, const T* pool, int64_t H, int64_t head_stride
         }
       }
       for (int64_t t = len; t < CHUNK; ++t) krow[t] = vrow[t] = zeros;
-      const float* qh = qf + h * G * D;
-      float *ah = acc + h * G * D, *mh = m + h * G, *lh = l + h * G;
 #if defined(__AVX512F__)
       if (D % 16 == 0) {
         chunk_avx512<KD / 16>(qh, krow, vrow, len, G, D / 16, ah, mh, lh, pts, rescale, pf);
-        pf.finish();
-        continue;
-      }
-#elif defined(DISAGG_ATTN_AVX2)
-      if (D % 8 == 0) {
-        chunk_avx2<KD / 8>(qh, krow, vrow, len, G, D / 8, ah, mh, lh, pts, rescale, pf);
         pf.finish();
         continue;
       }
