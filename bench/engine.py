@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dtype", choices=["auto", *(d.value for d in DType)], default="auto",
                    help="dtype the engine runs in (auto: the fastest this CPU computes natively)")  # fmt: skip
     p.add_argument("--kv-dtype", choices=[d.value for d in DType], default=None,
-                   help="the KV pages' dtype (default: the compute dtype; bf16 halves fp32's KV)")  # fmt: skip
+                   help="the KV pages' dtype (default: the compute dtype; bf16 under an fp32 CPU's auto)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--prompt-len", type=int, default=256)
@@ -103,7 +103,7 @@ class Options:
     llamacpp: bool = True
     reference: bool = False
     quality: int | None = None  # --quality: tokens of the fixed text
-    kv_dtype: str | None = None  # --kv-dtype: the KV pages' dtype (None: the compute dtype)
+    kv_dtype: str | None = None  # --kv-dtype: the KV pages' dtype (None: the engine's, loader.run_kv_dtype)
 
 
 @dataclass(slots=True)

@@ -156,8 +156,8 @@ class ClusterConfig(_Frozen):
     )
     kv_dtype: DType | None = Field(
         default=None,
-        description="dtype of the engines' KV pages (prefill and decode alike); None: their compute dtype. bfloat16 "
-        "under fp32 engines (an AVX2-only CPU's auto) halves the KV's bytes, on the wire too",
+        description="dtype of the engines' KV pages (prefill and decode alike); None: their compute dtype, except "
+        "bfloat16 under run_dtype auto on a CPU that computes in fp32: half the KV's bytes (on the wire too)",
     )
     mode: Mode = Mode.DISAGGREGATED
     prefill: GroupSpec = GroupSpec()

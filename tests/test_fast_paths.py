@@ -7,7 +7,8 @@ built dense (the GGUF's weights dequantised at build time; ``tests/test_quant.py
   the reference's tokens, at every step the reference token is the fast path's top-1, or ties with
   it within one bf16 step at the logits' magnitude (0.125: bf16 keeps 8 significant bits, logits
   here are 16-32). Exact ties do occur in bf16 (two were seen in these 96 steps); argmax takes the
-  lower id then, so "same top-1" alone would fail on rounding, not on a wrong model.
+  lower id then, so "same top-1" alone would fail on rounding, not on a wrong model. An fp32 CPU's ``auto`` keeps
+  bf16 KV pages (``loader.run_kv_dtype``), held to the same bound.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import pytest
 import torch
 
 from tests.helpers import smollm2_prompts
-from torch_engine.config import EngineConfig
+from torch_engine.config import DType, EngineConfig
 from torch_engine.engine import LLMEngine
+from torch_engine.kernels import cpu_kernels
+from torch_engine.loader import run_kv_dtype
 from torch_engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -63,3 +66,18 @@ def test_auto_dtype_top1_on_every_step(smollm2_dense_dir: Path, reference) -> No
     assert engine.page_stats().used == 0
     if engine.describe().dtype == torch.bfloat16:  # a CPU with native bf16: the path really changed
         assert "onednn-packed/fused-attention" in engine.kernel_path and "bfloat16" in engine.kernel_path
+    elif cpu_kernels() is not None:  # an fp32 CPU's auto, on the compiled kernels: bf16 pages (run_kv_dtype)
+        assert engine.describe().kv_dtype == torch.bfloat16
+
+
+def test_kv_pages_dtype_of_each_config(tmp_path: Path) -> None:
+    """The pages' dtype: the config's wherever given; the compute dtype, except under ``auto`` on a CPU computing
+    fp32 with the compiled kernels (bf16 pages there, which those kernels read in place); a GPU's never changed."""
+    cpu, gpu, f32, bf16 = torch.device("cpu"), torch.device("cuda"), torch.float32, torch.bfloat16
+    auto = EngineConfig(engine_dir=tmp_path, dtype="auto")
+    assert run_kv_dtype(EngineConfig(engine_dir=tmp_path, dtype="auto", kv_dtype=DType.FLOAT32), f32, cpu) == f32
+    assert run_kv_dtype(EngineConfig(engine_dir=tmp_path, dtype=DType.FLOAT32), f32, cpu) == f32
+    assert run_kv_dtype(EngineConfig(engine_dir=tmp_path, kv_dtype=DType.BFLOAT16), f32, cpu) == bf16
+    assert run_kv_dtype(auto, bf16, cpu) == bf16
+    assert run_kv_dtype(auto, f32, gpu) == f32
+    assert run_kv_dtype(auto, f32, cpu) == (bf16 if cpu_kernels() is not None else f32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_engine.config import EngineConfig, KVLayout, ModelConfig
+from torch_engine.config import KVLayout, ModelConfig
 from torch_engine.kv_cache import KVCacheSpec, PagedKVCache
 from torch_engine.models.decoder import CausalLM
 from torch_engine.models.deepseek import deepseek_model
@@ -37,10 +37,9 @@ def cache_spec(
 
 
 def kv_cache(
-    config: EngineConfig, cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout,
+    cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout, kv_dtype: torch.dtype,
     dtype: torch.dtype, device: torch.device,
 ) -> PagedKVCache:  # fmt: skip
-    """A rank's paged KV cache, its pages held in ``config.kv_dtype`` (None: the compute ``dtype``) and read back
-    as ``dtype``."""
-    kv_dtype = config.kv_dtype.torch if config.kv_dtype is not None else dtype
+    """A rank's paged KV cache, its pages held in ``kv_dtype`` (``loader.run_kv_dtype``) and read back as
+    ``dtype``."""
     return PagedKVCache(cache_spec(cfg, tp_size, num_pages, page_size, layout, kv_dtype), device, dtype)
