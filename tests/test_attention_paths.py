@@ -2,14 +2,14 @@
 (``prefill_attention.h``) on every instruction-set path this CPU can run, fp32 pages (decode: bf16 pages too).
 
 The engine builds its kernels with ``-march=native``, so a test run exercises one path only; an AVX2-only CPU
-(whose engine runs fp32) takes ``chunk_avx2``, which an AVX-512 machine never builds. Here the header is
-compiled again through a small C entry point (``tests/csrc/attention_capi.cpp``) for ``x86-64`` (plain
-loops), ``x86-64-v3`` (AVX2 + FMA) and ``native``, and each must equal a float64 softmax attention over the
-same pages — any page layout, fp32 or bf16 pages (the AVX2 kernel reads both in place), head sizes with and
-without their own build, a chunk's short tail, query heads per KV head in and off the AVX2 kernel's blocks of 3 — and its
-vector exp within 5e-7 (relative) of float64's. The prefill kernel (``tests/csrc/prefill_capi.cpp``; AVX2 and
-AVX-512 only: a plain build has none and the engine runs PyTorch's SDPA) must equal a float64 causal
-softmax for chunks starting at the sequence's start and later, at and off its block sizes.
+(whose engine runs fp32) takes ``chunk_avx2``, which an AVX-512 machine never builds. Here the header is compiled
+again through a small C entry point (``tests/csrc/attention_capi.cpp``) for ``x86-64`` (plain loops),
+``x86-64-v3`` (AVX2 + FMA) and ``native``, and each must equal a float64 softmax attention over the same pages —
+any page layout, fp32 or bf16 pages (the AVX2 kernel reads both in place), head sizes with and without their own
+build, a chunk's short tail, query heads per KV head in and off the AVX2 kernel's blocks of 3 — and its vector exp
+within 5e-7 (relative) of float64's. The prefill kernel (``tests/csrc/prefill_capi.cpp``; AVX2 and AVX-512 only: a
+plain build has none and the engine runs PyTorch's SDPA) must equal a float64 causal softmax for chunks starting
+at the sequence's start and later, at and off its block sizes.
 """
 
 from __future__ import annotations
