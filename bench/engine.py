@@ -103,7 +103,7 @@ class Options:
     llamacpp: bool = True
     reference: bool = False
     quality: int | None = None  # --quality: tokens of the fixed text
-    kv_dtype: str | None = None  # --kv-dtype: the KV pages' dtype (None: the engine's, loader.run_kv_dtype)
+    kv_dtype: str | None = None  # --kv-dtype: the KV pages' dtype (None: the engine's, models.run_kv_dtype)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ built dense (the GGUF's weights dequantised at build time; ``tests/test_quant.py
   it within one bf16 step at the logits' magnitude (0.125: bf16 keeps 8 significant bits, logits
   here are 16-32). Exact ties do occur in bf16 (two were seen in these 96 steps); argmax takes the
   lower id then, so "same top-1" alone would fail on rounding, not on a wrong model. An fp32 CPU's ``auto`` keeps
-  bf16 KV pages (``loader.run_kv_dtype``), held to the same bound.
+  bf16 KV pages (``models.run_kv_dtype``), held to the same bound.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.helpers import smollm2_prompts
 from torch_engine.config import DType, EngineConfig
 from torch_engine.engine import LLMEngine
 from torch_engine.kernels import cpu_kernels
-from torch_engine.loader import run_kv_dtype
+from torch_engine.models import run_kv_dtype
 from torch_engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -281,7 +281,7 @@ class EngineConfig(_Frozen):
     device: str = "cpu"
     dtype: DType | Literal["auto"] | None = None  # None: the manifest's; auto: the fastest native dtype
     # the KV pages' dtype. None: the compute dtype (``dtype``), except under ``auto`` on a CPU that computes in fp32
-    # with the compiled kernels (an AVX2-only CPU): bfloat16 there (loader.run_kv_dtype), half the KV's bytes —
+    # with the compiled kernels (an AVX2-only CPU): bfloat16 there (models.run_kv_dtype), half the KV's bytes —
     # twice the tokens per GiB, half the attention's reads and the wire's bytes (llama.cpp keeps f16)
     kv_dtype: DType | None = None
     page_size: int | None = Field(default=None, ge=1)  # None: the manifest's

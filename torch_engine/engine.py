@@ -35,15 +35,7 @@ from torch_engine.guided import Guide
 from torch_engine.intake import Intake
 from torch_engine.kernels import cpu_kernels
 from torch_engine.layer_progress import LayerProgress
-from torch_engine.loader import (
-    EngineDescription,
-    kernel_path,
-    load_weights,
-    prepare_cpu_path,
-    run_dtype,
-    run_kv_dtype,
-    weight_bytes,
-)
+from torch_engine.loader import EngineDescription, kernel_path, load_weights, prepare_cpu_path, run_dtype, weight_bytes
 from torch_engine.model_runner import ModelRunner
 from torch_engine.models import kv_cache
 from torch_engine.outputs import Outputs
@@ -86,8 +78,7 @@ class LLMEngine:
         graphs = config.decode_graphs if config.decode_graphs is not None else self._device.type == "cuda"
         graphs = graphs and self._tp.size == 1 and not mc.n_routed_experts
         pool_pages = config.num_pages + int(graphs)  # + the decode graphs' scratch page, outside the allocator
-        kv_dtype = run_kv_dtype(config, self._dtype, self._device)
-        self._kv = kv_cache(mc, self._tp.size, pool_pages, self._page_size, layout, kv_dtype, self._dtype, self._device)
+        self._kv = kv_cache(config, mc, self._tp.size, pool_pages, self._page_size, layout, self._dtype, self._device)
         self._kv.kernels = cpu_kernels() if fast else None
         self._progress = LayerProgress(mc.num_kv_layers, self._device)
         self._spec = speculator or Speculator(config.speculative, self._max_model_len)

@@ -50,17 +50,6 @@ def run_dtype(config: EngineConfig, manifest: EngineManifest, device: torch.devi
     return (config.dtype or manifest.dtype).torch
 
 
-def run_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the KV pages hold: the config's; else the compute ``dtype``, except that ``auto`` on a CPU that
-    computes in fp32 with the compiled kernels (AVX2-only, or AVX-512 without BF16) keeps bf16 pages. Those kernels
-    read bf16 pages in place (half the bytes a token, in memory and on the wire): on the AVX2-only Zen 3 a decode step
-    at batch 8-16 1.1-1.2x faster than on fp32 pages, perplexity within noise (BENCHMARKS.md, session 45)."""
-    if config.kv_dtype is not None:
-        return config.kv_dtype.torch
-    fp32_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
-    return torch.bfloat16 if config.dtype == "auto" and fp32_kernels else dtype
-
-
 def _read(path: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Packed]]:
     """A rank's file: its dense tensors and its packed weights (``torch_engine/quant.py``)."""
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_engine.config import KVLayout, ModelConfig
+from torch_engine.config import EngineConfig, KVLayout, ModelConfig
+from torch_engine.kernels import cpu_kernels
 from torch_engine.kv_cache import KVCacheSpec, PagedKVCache
 from torch_engine.models.decoder import CausalLM
 from torch_engine.models.deepseek import deepseek_model
@@ -36,10 +37,23 @@ def cache_spec(
     )
 
 
+def run_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the KV pages hold: the config's; else the compute ``dtype``, except that ``auto`` on a CPU that
+    computes in fp32 with the compiled kernels (AVX2-only, or AVX-512 without BF16) keeps bf16 pages. Those kernels
+    read bf16 pages in place (half the bytes a token, in memory and on the wire): on the AVX2-only Zen 3 the batch-16
+    step's attention 27.1 ms on fp32 pages -> 18.3 ms, the step 1.04-1.12x at batch 1-16 against the kernels before,
+    perplexity within run-to-run noise (BENCHMARKS.md, session 45)."""
+    if config.kv_dtype is not None:
+        return config.kv_dtype.torch
+    fp32_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
+    return torch.bfloat16 if config.dtype == "auto" and fp32_kernels else dtype
+
+
 def kv_cache(
-    cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout, kv_dtype: torch.dtype,
+    config: EngineConfig, cfg: ModelConfig, tp_size: int, num_pages: int, page_size: int, layout: KVLayout,
     dtype: torch.dtype, device: torch.device,
 ) -> PagedKVCache:  # fmt: skip
-    """A rank's paged KV cache, its pages held in ``kv_dtype`` (``loader.run_kv_dtype``) and read back as
-    ``dtype``."""
+    """A rank's paged KV cache, its pages held in ``run_kv_dtype`` (by default the compute ``dtype``) and read back
+    as ``dtype``."""
+    kv_dtype = run_kv_dtype(config, dtype, device)
     return PagedKVCache(cache_spec(cfg, tp_size, num_pages, page_size, layout, kv_dtype), device, dtype)
