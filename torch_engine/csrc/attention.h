@@ -372,7 +372,8 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // The 16 scores of GN query heads (qg: head after head, nv vectors of 8 each) against the chunk's K rows, 4 tokens at
 // a time: each K vector is loaded (and widened, bf16 pages) once for the GN heads; 4 x GN accumulators + GN query
 // vectors + the K vector: 16 registers at GN = 3. Forced inline, as values_avx2: GCC inlined them into one copy of
-// chunk_avx2 and not into another, identical code 0.71x vs 0.87x the old kernel (session 45, the Zen 3).
+// chunk_avx2 and not into another, identical code on bf16 pages 1.11-1.23x vs 1.60-1.68x the old kernel (session
+// 45, the Zen 3).
 template <int64_t GN, int64_t DV, typename T>
 [[gnu::always_inline]] inline void scores_avx2(const float* qg, const T* const* krow, int64_t dyn_dv, float* pts,
                                                PfCursor& pf, int64_t pfk) {
