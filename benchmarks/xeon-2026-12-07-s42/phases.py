@@ -7,11 +7,18 @@ with a timer after each barrier of the layer loop, loaded in place of the kernel
 ``benchmarks/xeon-2026-12-07-s40/build_named.py``).
 
     taskset -c 1 .venv/bin/python benchmarks/xeon-2026-12-07-s42/phases.py --threads 1 --batch 1 8 16
+
+``--kv-dtype`` (session 45) sets the KV pages' dtype (default: the engine's choice); session 45's phases.txt compared
+timed builds (session 43's ``timed_tree.py``) of two trees on fp32 and bf16 pages:
+
+    taskset -c 1 .venv/bin/python benchmarks/xeon-2026-12-07-s42/phases.py --threads 1 --batch 1 16 \
+        --kernels /tmp/build_timed_new/dck_timed_new.so --kv-dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -48,6 +55,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kernels", help="a kernels module (.so) to load instead of the tree's build")
+    p.add_argument("--kv-dtype", help="the KV pages' dtype (float32 / bfloat16; default: the engine's choice)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.kernels:
@@ -61,7 +69,8 @@ def main() -> None:
     mr.ModelRunner.logits = timed("logits", mr.ModelRunner.logits)  # type: ignore[method-assign]
     for batch in a.batch:
         opts = Options(engine_dir_of(a), "cpu", "auto", [a.threads], 256, a.steps + 80, [batch], 1, False, None)
-        engine = _engine(opts)
+        engine = _engine(dataclasses.replace(opts, kv_dtype=a.kv_dtype))
+        print(f"# pages {engine.describe().kv_dtype}, {engine.describe().kernel_path}", flush=True)
         vocab = engine.describe().model.vocab_size
         params = SamplingParams(max_tokens=a.steps + 60, ignore_eos=True)
         ids = [engine.add_request(prompt, params) for prompt in _prompts(batch, 256, vocab, 7)]
