@@ -45,8 +45,9 @@ def run_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device)
     perplexity within run-to-run noise (BENCHMARKS.md, session 45)."""
     if config.kv_dtype is not None:
         return config.kv_dtype.torch
-    fp32_kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
-    return torch.bfloat16 if config.dtype == "auto" and fp32_kernels else dtype
+    if config.dtype != "auto" or device.type != "cpu" or dtype != torch.float32:
+        return dtype  # (the kernels are asked for only here: another config must not build them)
+    return torch.bfloat16 if cpu_kernels() is not None else dtype
 
 
 def kv_cache(
