@@ -31,7 +31,7 @@ class EngineDescription:
     tp_size: int
     device: str
     dtype: torch.dtype
-    kv_dtype: torch.dtype  # the KV pages' (EngineConfig.kv_dtype; the compute dtype by default)
+    kv_dtype: torch.dtype  # the KV pages' (models.run_kv_dtype: the config's, else the compute dtype or auto's bf16)
     page_size: int
     num_pages: int
     max_model_len: int
